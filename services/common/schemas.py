@@ -1,0 +1,190 @@
+"""The wire contracts of dapo-mesh: every message that crosses a process boundary.
+
+Producers and consumers import the same classes from here; nothing else defines a message.
+Each message carries `schema_version`; a consumer rejects a version it does not know (the
+streams adapter sends such a message to the dead-letter stream instead of crashing).
+
+Data path (see shared/DESIGN.md):
+    buffer --PromptTask--> rollout --ScoredGroup--> buffer --TrainBatch--> learner
+    learner --WeightVersion--> everyone;  rollout --ReplicaHeartbeat--> Redis key with a TTL
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Message(BaseModel):
+    """Base of every wire message: strict about unknown fields and the schema version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+
+
+class PromptTask(Message):
+    """One prompt to sample `n_samples` answers for (dispatched by the buffer)."""
+
+    task_id: str = Field(min_length=1, description="Unique per dispatch; the id of the group it becomes.")
+    prompt_id: str = Field(min_length=1, description="Stable id of the dataset item.")
+    prompt: str | None = Field(None, description="Prompt text (already templated).")
+    prompt_token_ids: list[int] | None = Field(None, description="Prompt token ids, if pre-tokenised.")
+    ground_truth: str = Field(description="What the verifier compares against (may be JSON).")
+    verifier: str = Field(min_length=1, description="Verifier name, e.g. dapo_math, reasoning_gym:chain_sum.")
+    data_source: str = Field(min_length=1)
+    n_samples: int = Field(ge=1, le=1024, description="G, samples per prompt.")
+    dispatch_version: int = Field(0, ge=0, description="Learner policy version when dispatched.")
+    created_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _has_prompt(self) -> Self:
+        if not self.prompt and not self.prompt_token_ids:
+            raise ValueError("prompt: a PromptTask needs `prompt` text or `prompt_token_ids`")
+        return self
+
+
+class Sample(Message):
+    """One sampled response, with the behaviour log-prob of every response token."""
+
+    response_token_ids: list[int]
+    response_text: str
+    logprobs: list[float] = Field(description="Behaviour log-prob of each response token.")
+    finish_reason: FinishReason
+    policy_version: int = Field(ge=0, description="Version of the weights that generated this sample.")
+
+    @property
+    def truncated(self) -> bool:
+        """Hit the response-length limit (overlong shaping and filtering use this)."""
+        return self.finish_reason == "length"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if len(self.logprobs) != len(self.response_token_ids):
+            raise ValueError(
+                f"logprobs: {len(self.logprobs)} log-probs for "
+                f"{len(self.response_token_ids)} response tokens; they must match one to one"
+            )
+        if not all(math.isfinite(x) for x in self.logprobs):
+            raise ValueError("logprobs: every behaviour log-prob must be finite (found NaN or inf)")
+        return self
+
+
+class Score(Message):
+    """The reward server's verdict on one sample."""
+
+    reward: float = Field(description="Final reward, overlong penalty included.")
+    acc: bool = Field(description="Whether the answer is correct.")
+    overlong_penalty: float = Field(0.0, le=0.0)
+    pred: str | None = Field(None, description="The prediction the verifier extracted.")
+
+    @model_validator(mode="after")
+    def _finite(self) -> Self:
+        for name in ("reward", "overlong_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: must be finite, got {getattr(self, name)}")
+        return self
+
+
+class ScoredGroup(Message):
+    """A prompt with its G samples and their scores (rollout -> buffer)."""
+
+    task: PromptTask
+    samples: list[Sample] = Field(min_length=1)
+    scores: list[Score] = Field(min_length=1)
+    replica_id: str = Field(min_length=1)
+    created_at: float = Field(default_factory=time.time)
+
+    @property
+    def group_id(self) -> str:
+        return self.task.task_id
+
+    @property
+    def min_version(self) -> int:
+        return min(s.policy_version for s in self.samples)
+
+    @property
+    def max_version(self) -> int:
+        return max(s.policy_version for s in self.samples)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if len(self.scores) != len(self.samples):
+            raise ValueError(f"scores: {len(self.scores)} scores for {len(self.samples)} samples")
+        if len(self.samples) != self.task.n_samples:
+            raise ValueError(
+                f"samples: the group has {len(self.samples)} samples but task.n_samples is "
+                f"{self.task.n_samples}"
+            )
+        return self
+
+
+class TrainBatch(Message):
+    """B scored groups that the learner trains on as one step (buffer -> learner)."""
+
+    batch_id: int = Field(ge=0, description="Monotonically increasing; the learner trains each once.")
+    groups: list[ScoredGroup] = Field(min_length=1)
+    min_version: int = Field(ge=0, description="Oldest policy version of any sample in the batch.")
+    max_version: int = Field(ge=0, description="Newest policy version of any sample in the batch.")
+    created_at: float = Field(default_factory=time.time)
+
+    @classmethod
+    def assemble(cls, batch_id: int, groups: list[ScoredGroup]) -> TrainBatch:
+        """Build a batch whose version range is derived from its groups."""
+        if not groups:
+            raise ValueError("groups: a TrainBatch needs at least one group")
+        return cls(
+            batch_id=batch_id,
+            groups=groups,
+            min_version=min(g.min_version for g in groups),
+            max_version=max(g.max_version for g in groups),
+        )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        lo = min(g.min_version for g in self.groups)
+        hi = max(g.max_version for g in self.groups)
+        if (self.min_version, self.max_version) != (lo, hi):
+            raise ValueError(
+                f"min_version/max_version: declared {self.min_version}..{self.max_version} but the "
+                f"groups' samples span {lo}..{hi}"
+            )
+        ids = [g.group_id for g in self.groups]
+        if len(set(ids)) != len(ids):
+            raise ValueError("groups: the same group (task_id) appears twice in one batch")
+        return self
+
+
+class WeightVersion(Message):
+    """Published by the learner after the rollout replicas hold new weights."""
+
+    version: int = Field(ge=0)
+    step: int = Field(ge=0, description="Optimizer steps taken by the learner.")
+    batch_id: int | None = Field(None, ge=0, description="Last batch trained into this version.")
+    checkpoint_dir: str | None = Field(None, description="HF snapshot of these weights, for late joiners.")
+    created_at: float = Field(default_factory=time.time)
+
+
+class ReplicaHeartbeat(Message):
+    """A rollout replica's liveness record, kept in Redis under a key with a TTL."""
+
+    replica_id: str = Field(min_length=1)
+    host: str = Field(min_length=1)
+    port: int = Field(ge=0, le=65535)
+    weight_version: int = Field(ge=0)
+    tokens_per_s: float = Field(0.0, ge=0.0)
+    state: Literal["starting", "ready", "syncing", "draining"] = "starting"
+    timestamp: float = Field(default_factory=time.time)
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.__name__: cls
+    for cls in (PromptTask, Sample, Score, ScoredGroup, TrainBatch, WeightVersion, ReplicaHeartbeat)
+}

@@ -1,0 +1,396 @@
+"""Redis Streams transport: the only place where messages are serialised (msgpack, never pickle).
+
+    producer = StreamProducer(client, STREAM_ROLLOUTS)
+    producer.publish(group)                            # XADD type=ScoredGroup data=<msgpack>
+    consumer = StreamConsumer(client, STREAM_ROLLOUTS, "buffer", "buffer-0", ScoredGroup)
+    for d in consumer.read(count=8, block_ms=1000):    # own pending, reclaimed, then new entries
+        ...                                            # make the effect durable, then
+        consumer.ack(d.entry_id)                       # or consumer.ack_and_publish(ids, outputs)
+
+Delivery is at least once: an entry stays pending in its consumer group until acknowledged, and a
+live consumer reclaims entries another consumer left idle for `claim_idle_ms` (XAUTOCLAIM).
+Consumers therefore deduplicate by message id (task_id, batch_id) where a duplicate matters.
+An entry that cannot be decoded or validated, or that was delivered more than `max_deliveries`
+times, is moved to the dead-letter stream with the reason and its original bytes, and acknowledged:
+one bad message never stops a consumer. Administration (trimming, pending/lag, the dead letters) lives in `stream_admin`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+from weakref import WeakKeyDictionary
+
+import msgpack
+import redis
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from pydantic import ValidationError
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+from services.common.schemas import SCHEMA_VERSION, Message
+
+log = logging.getLogger(__name__)
+
+STREAM_PROMPTS = "dapo:prompts"
+STREAM_ROLLOUTS = "dapo:rollouts"
+STREAM_BATCHES = "dapo:batches"
+DEAD_LETTER_STREAM = "dapo:dead-letter"
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+M = TypeVar("M", bound=Message)
+
+
+class TransportError(RuntimeError):
+    """A Redis-level failure the caller cannot fix by retrying right away."""
+
+
+class RedisUnavailable(TransportError):
+    """Redis could not be reached after the configured retries."""
+
+
+class DecodeError(ValueError):
+    """An entry is not a valid message of the expected type; `kind` labels the metric."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def encode(msg: Message) -> dict[bytes, bytes]:
+    """A message as stream-entry fields: its type name and its msgpack body."""
+    return {b"type": type(msg).__name__.encode(), b"data": msgpack.packb(msg.model_dump(mode="python"))}
+
+
+def decode(fields: dict[bytes, bytes], model: type[M], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> M:
+    """Fields of a stream entry -> a validated `model`, or DecodeError saying what is wrong."""
+    kind = fields.get(b"type")
+    data = fields.get(b"data")
+    if kind is None or data is None:
+        raise DecodeError("malformed", f"entry lacks the 'type' or 'data' field (fields: {sorted(fields)})")
+    if kind != model.__name__.encode():
+        raise DecodeError("wrong_type", f"entry is a {kind!r}, this consumer reads {model.__name__}")
+    if len(data) > max_bytes:
+        raise DecodeError("too_large", f"entry body is {len(data)} bytes, the limit is {max_bytes}")
+    try:
+        body = msgpack.unpackb(data)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise DecodeError("not_msgpack", f"body is not valid msgpack: {e}") from e
+    if isinstance(body, dict) and body.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise DecodeError(
+            "schema_version",
+            f"schema_version {body['schema_version']!r} is not {SCHEMA_VERSION}, the version this "
+            "consumer speaks: upgrade the consumer or drain the stream with the old version",
+        )
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        errors = "; ".join(f"{'.'.join(map(str, x['loc'])) or '<root>'}: {x['msg']}" for x in e.errors())
+        raise DecodeError("invalid", f"invalid {model.__name__}: {errors}") from e
+
+
+# --------------------------------------------------------------------------- connection
+
+
+def connect(
+    url: str, *, password: str | None = None, timeout_s: float = 10.0, retries: int = 5
+) -> redis.Redis:
+    """A client whose network calls time out and retry with jittered exponential backoff.
+
+    `timeout_s` bounds every socket wait; blocking reads must block for less than that.
+    """
+    return redis.Redis.from_url(
+        url,
+        password=password,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=min(timeout_s, 5.0),
+        retry=Retry(ExponentialWithJitterBackoff(base=0.1, cap=2.0), retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=30,
+    )
+
+
+def _where(client: redis.Redis) -> str:
+    kw = client.connection_pool.connection_kwargs
+    return f"{kw.get('host', kw.get('path', '?'))}:{kw.get('port', '')}"
+
+
+@contextmanager
+def redis_errors(client: redis.Redis) -> Iterator[None]:
+    """Turn a connection failure that survived the client's retries into a clear RedisUnavailable."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise RedisUnavailable(
+            f"Redis at {_where(client)} did not answer after retries with backoff ({e}). "
+            "Check that it runs and that DAPO_REDIS_URL points at it."
+        ) from e
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class StreamMetrics:
+    """Counters of the transport, one set per Prometheus registry."""
+
+    _per_registry: WeakKeyDictionary[CollectorRegistry, StreamMetrics] = WeakKeyDictionary()
+
+    def __init__(self, registry: CollectorRegistry):
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.published = counter("dapo_stream_published_messages", "Messages published.", ["stream"])
+        self.delivered = counter(
+            "dapo_stream_delivered_messages", "Valid messages handed to a consumer.", ["stream", "group"]
+        )
+        self.acked = counter("dapo_stream_acked_messages", "Messages acknowledged.", ["stream", "group"])
+        self.reclaimed = counter(
+            "dapo_stream_reclaimed_messages", "Entries reclaimed from idle consumers.", ["stream", "group"]
+        )
+        self.dead = counter(
+            "dapo_stream_dead_lettered_messages",
+            "Entries moved to the dead-letter stream.",
+            ["stream", "group", "reason"],
+        )
+
+    @classmethod
+    def of(cls, registry: CollectorRegistry | None) -> StreamMetrics:
+        registry = registry or REGISTRY
+        if registry not in cls._per_registry:
+            cls._per_registry[registry] = cls(registry)
+        return cls._per_registry[registry]
+
+
+# --------------------------------------------------------------------------- producer
+
+
+class StreamProducer:
+    """Publishes messages of any type to one stream."""
+
+    def __init__(self, client: redis.Redis, stream: str, *, registry: CollectorRegistry | None = None):
+        self.client, self.stream = client, stream
+        self._metrics = StreamMetrics.of(registry)
+
+    def publish(self, msg: Message) -> str:
+        with redis_errors(self.client):
+            entry_id = self.client.xadd(self.stream, encode(msg))  # type: ignore[arg-type]
+        self._metrics.published.labels(self.stream).inc()
+        return as_str(entry_id)
+
+    def publish_many(self, msgs: Iterable[Message]) -> list[str]:
+        """Publish several messages in one MULTI/EXEC: all of them or none."""
+        pipe = self.client.pipeline(transaction=True)
+        n = 0
+        for msg in msgs:
+            pipe.xadd(self.stream, encode(msg))  # type: ignore[arg-type]
+            n += 1
+        with redis_errors(self.client):
+            ids = pipe.execute()
+        self._metrics.published.labels(self.stream).inc(n)
+        return [as_str(i) for i in ids]
+
+
+# --------------------------------------------------------------------------- consumer
+
+
+@dataclass(frozen=True)
+class Delivery(Generic[M]):
+    entry_id: str
+    message: M
+    deliveries: int  # how many times this entry has been delivered, this one included
+
+
+class StreamConsumer(Generic[M]):
+    """One consumer of a consumer group, reading messages of type `model`.
+
+    `read` returns, in this order: this consumer's own pending entries (once, after a restart under
+    the same name), entries reclaimed from consumers idle for `claim_idle_ms`, then new entries.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        model: type[M],
+        *,
+        claim_idle_ms: int = 30_000,
+        max_deliveries: int = 5,
+        dead_letter_stream: str = DEAD_LETTER_STREAM,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        registry: CollectorRegistry | None = None,
+        create_group: bool = True,
+    ):
+        self.client, self.stream, self.group, self.name, self.model = client, stream, group, consumer, model
+        self.claim_idle_ms, self.max_deliveries = claim_idle_ms, max_deliveries
+        self.dead_letter_stream, self.max_message_bytes = dead_letter_stream, max_message_bytes
+        self._metrics = StreamMetrics.of(registry)
+        self._own_cursor: str | None = "0-0"  # None once our own pending list has been replayed
+        self._claim_cursor = "0-0"
+        self._next_claim = 0.0
+        if create_group:
+            ensure_group(client, stream, group)
+
+    # -- reading
+
+    def read(self, count: int = 1, block_ms: int = 1000) -> list[Delivery[M]]:
+        """Up to `count` valid messages; blocks up to `block_ms` when nothing is waiting."""
+        timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
+        if timeout is not None and block_ms >= timeout * 1000:
+            raise ValueError(f"block_ms={block_ms} must be shorter than the socket timeout ({timeout} s)")
+        with redis_errors(self.client):
+            out = self._replay_own(count) if self._own_cursor is not None else []
+            if len(out) < count and time.monotonic() >= self._next_claim:
+                out += self._reclaim(count - len(out))
+            if not out:
+                out = self._read_new(count, block_ms)
+        return out
+
+    def _replay_own(self, count: int) -> list[Delivery[M]]:
+        """Entries this consumer name held before a restart (XREADGROUP from an id, not '>')."""
+        assert self._own_cursor is not None
+        resp = self.client.xreadgroup(self.group, self.name, {self.stream: self._own_cursor}, count=count)
+        entries = resp[0][1] if resp else []
+        self._own_cursor = as_str(entries[-1][0]) if len(entries) == count else None
+        return self._admit(entries, counted=True)
+
+    def _reclaim(self, count: int) -> list[Delivery[M]]:
+        resp = self.client.xautoclaim(
+            self.stream, self.group, self.name, self.claim_idle_ms, self._claim_cursor, count=count
+        )
+        cursor, entries = as_str(resp[0]), resp[1]
+        deleted = resp[2] if len(resp) > 2 else []  # Redis >= 7 lists deleted ids separately
+        if cursor == "0-0":  # a full pass: wait before scanning the pending list again
+            self._next_claim = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
+        self._claim_cursor = cursor
+        if deleted:
+            self._ack_ids([as_str(i) for i in deleted])
+        if entries:
+            self._metrics.reclaimed.labels(self.stream, self.group).inc(len(entries))
+            log.info("reclaimed %d idle entries of %s/%s", len(entries), self.stream, self.group)
+        return self._admit(entries, counted=True)
+
+    def _read_new(self, count: int, block_ms: int) -> list[Delivery[M]]:
+        resp = self.client.xreadgroup(self.group, self.name, {self.stream: ">"}, count=count, block=block_ms)
+        return self._admit(resp[0][1] if resp else [], counted=False)
+
+    def _admit(self, entries: list[Any], *, counted: bool) -> list[Delivery[M]]:
+        """Decode entries; dead-letter the bad ones, acknowledge the deleted ones, return the rest."""
+        if not entries:
+            return []
+        times = self._delivery_counts([as_str(e[0]) for e in entries]) if counted else {}
+        good: list[Delivery[M]] = []
+        dead: list[tuple[str, dict[bytes, bytes], str, str]] = []
+        gone: list[str] = []
+        for raw_id, fields in entries:
+            entry_id = as_str(raw_id)
+            n = times.get(entry_id, 1)
+            if not fields:  # trimmed or deleted while pending (Redis 6.2): nothing left to process
+                gone.append(entry_id)
+            elif n > self.max_deliveries:
+                dead.append((entry_id, fields, "max_deliveries", f"delivered {n} times without an ack"))
+            else:
+                try:
+                    msg = decode(fields, self.model, max_bytes=self.max_message_bytes)
+                    good.append(Delivery(entry_id, msg, n))
+                except DecodeError as e:
+                    dead.append((entry_id, fields, e.kind, e.reason))
+        if gone:
+            self._ack_ids(gone)
+        if dead:
+            self._dead_letter(dead)
+        self._metrics.delivered.labels(self.stream, self.group).inc(len(good))
+        return good
+
+    def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
+        pipe = self.client.pipeline(transaction=False)
+        for i in ids:
+            pipe.xpending_range(self.stream, self.group, min=i, max=i, count=1)
+        return {as_str(r[0]["message_id"]): int(r[0]["times_delivered"]) for r in pipe.execute() if r}
+
+    def _dead_letter(self, dead: list[tuple[str, dict[bytes, bytes], str, str]]) -> None:
+        """Copy each entry to the dead-letter stream with its reason, and ack it, atomically."""
+        pipe = self.client.pipeline(transaction=True)
+        for entry_id, fields, kind, reason in dead:
+            record: dict[bytes | str, bytes | str] = {
+                "stream": self.stream,
+                "group": self.group,
+                "consumer": self.name,
+                "entry_id": entry_id,
+                "kind": kind,
+                "reason": reason,
+                "at": repr(time.time()),
+            }
+            record.update({b"orig:" + k: v for k, v in fields.items()})
+            pipe.xadd(self.dead_letter_stream, record)  # type: ignore[arg-type]
+            log.warning("dead-lettered %s %s: %s", self.stream, entry_id, reason)
+        pipe.xack(self.stream, self.group, *[d[0] for d in dead])
+        pipe.execute()
+        for _, _, kind, _ in dead:
+            self._metrics.dead.labels(self.stream, self.group, kind).inc()
+
+    # -- acknowledging
+
+    def ack(self, *entry_ids: str) -> None:
+        if entry_ids:
+            with redis_errors(self.client):
+                self._ack_ids(list(entry_ids))
+
+    def _ack_ids(self, entry_ids: list[str]) -> None:
+        self.client.xack(self.stream, self.group, *entry_ids)
+        self._metrics.acked.labels(self.stream, self.group).inc(len(entry_ids))
+
+    def ack_and_publish(self, entry_ids: Iterable[str], outputs: Iterable[tuple[str, Message]]) -> list[str]:
+        """Publish `outputs` (stream, message) and acknowledge `entry_ids` in one MULTI/EXEC.
+
+        The input is acknowledged exactly when its effect is in Redis: a crash leaves either both
+        or neither, so nothing is lost and nothing is forwarded twice by this consumer.
+        """
+        ids, outs = list(entry_ids), list(outputs)
+        pipe = self.client.pipeline(transaction=True)
+        for stream, msg in outs:
+            pipe.xadd(stream, encode(msg))  # type: ignore[arg-type]
+        if ids:
+            pipe.xack(self.stream, self.group, *ids)
+        with redis_errors(self.client):
+            res = pipe.execute()
+        for stream, _ in outs:
+            self._metrics.published.labels(stream).inc()
+        self._metrics.acked.labels(self.stream, self.group).inc(len(ids))
+        return [as_str(i) for i in res[: len(outs)]]
+
+
+# --------------------------------------------------------------------------- administration
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str, start_id: str = "0") -> None:
+    """Create the consumer group (and the stream) if missing; from the start of the stream by default."""
+    with redis_errors(client):
+        try:
+            client.xgroup_create(stream, group, id=start_id, mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+
+def as_str(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def parse_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def next_id(entry_id: str) -> str:
+    ms, seq = parse_id(entry_id)
+    return f"{ms}-{seq + 1}"
