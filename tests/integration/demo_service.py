@@ -1,0 +1,25 @@
+"""A minimal service built only from the shared helpers, to test them over real HTTP.
+
+    python tests/integration/demo_service.py --port 8123 [--auth-token T]
+"""
+
+from prometheus_client import CollectorRegistry, Counter
+
+from services.common.logs import configure_logging
+from services.common.settings import ServiceSettings, load_settings
+from services.common.web import Authorized, create_app, serve
+
+settings = load_settings(ServiceSettings, prog="demo_service")
+configure_logging("demo", settings)
+registry = CollectorRegistry()
+hits = Counter("dapo_demo_hits", "Calls of /hit.", registry=registry)
+app = create_app("demo", settings, registry, ready=lambda: (hits._value.get() > 0, "needs one /hit"))
+
+
+@app.post("/hit")
+def hit(_: Authorized) -> dict[str, int]:
+    hits.inc()
+    return {"hits": int(hits._value.get())}
+
+
+serve(app, settings)

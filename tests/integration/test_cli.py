@@ -1,0 +1,78 @@
+"""`dapo-mesh` commands as a user runs them: up (model + embedded Redis + transport check), status."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.schemas import ScoredGroup
+from services.common.selfcheck import example_group
+from services.common.streams import STREAM_ROLLOUTS, StreamConsumer, StreamProducer, connect
+
+CLI = [sys.executable, "-m", "services.cli"]
+
+
+def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    e = {k: v for k, v in os.environ.items() if k != "DAPO_REDIS_URL"} | env | {"COLUMNS": "200"}
+    return subprocess.run(CLI + args, cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def up_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    run_dir = tmp_path_factory.mktemp("run")
+    root = Path(__file__).resolve().parents[2]
+    return run(["up", "--run-dir", str(run_dir)], cwd=root, PYTHONPATH=str(root)), run_dir
+
+
+@pytest.mark.slow
+def test_up_prepares_model_runs_embedded_redis_and_checks_transport(up_run) -> None:
+    r, run_dir = up_run
+    assert r.returncode == 0, r.stderr
+    assert "redis: embedded, redis://127.0.0.1:" in r.stdout
+    for name in ("PromptTask", "Sample", "ScoredGroup", "TrainBatch", "WeightVersion", "ReplicaHeartbeat"):
+        assert f"✓ {name} round-trips" in r.stdout
+    assert any((run_dir / "redis").rglob("*.aof"))
+    pid_lines = [ln for ln in r.stderr.splitlines() if "embedded Redis pid" in ln]
+    pid = int(pid_lines[0].split("pid ")[1].split()[0])
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+@pytest.mark.slow
+def test_prepared_model_matches_the_gguf(up_run) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from services.common.models import smollm2_gguf
+
+    _, run_dir = up_run
+    model_dir = run_dir / "models/smollm2-135m-instruct"
+    assert (model_dir / "model.safetensors").stat().st_size > 500e6
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok("What is 12 + 30? Answer:", return_tensors="pt").input_ids
+    ours = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gguf = smollm2_gguf()
+    ref = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+    )
+    with torch.no_grad():
+        a, b = ours(ids).logits, ref(ids).logits
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_status_shows_groups_pending_and_lag(embedded_redis) -> None:
+    client = connect(embedded_redis.url)
+    client.delete(STREAM_ROLLOUTS)
+    StreamProducer(client, STREAM_ROLLOUTS).publish_many(example_group(i, n_tokens=2) for i in range(5))
+    StreamConsumer(client, STREAM_ROLLOUTS, "buffer", "b0", ScoredGroup).read(count=2)
+    root = Path(__file__).resolve().parents[2]
+    r = run(["status", "--redis-url", embedded_redis.url], cwd=root, PYTHONPATH=str(root))
+    client.delete(STREAM_ROLLOUTS)
+    assert r.returncode == 0, r.stderr
+    [row] = [ln for ln in r.stdout.splitlines() if STREAM_ROLLOUTS in ln]
+    cells = [c.strip() for c in row.split("│")[1:7]]
+    assert cells == [STREAM_ROLLOUTS, "5", "buffer", "1", "2", "3"]  # length, group, consumers, pending, lag

@@ -1,0 +1,150 @@
+"""Wire contracts: every type round-trips through the codec; inconsistent messages are rejected by name."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+from pydantic import ValidationError
+
+from services.common.schemas import MESSAGE_TYPES, PromptTask, Sample, Score, ScoredGroup, TrainBatch
+from services.common.selfcheck import example_group, example_messages
+from services.common.streams import DecodeError, decode, encode
+
+
+def test_every_message_type_has_an_example() -> None:
+    assert {type(m).__name__ for m in example_messages()} == set(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("msg", example_messages(), ids=lambda m: type(m).__name__)
+def test_codec_round_trip_is_exact(msg) -> None:
+    fields = encode(msg)
+    assert fields[b"type"] == type(msg).__name__.encode()
+    back = decode(fields, type(msg))
+    assert back == msg
+    assert back.model_dump() == msg.model_dump()
+
+
+def test_floats_survive_bit_exact() -> None:
+    g = example_group(3, n_samples=2, n_tokens=64)
+    back = decode(encode(g), ScoredGroup)
+    for a, b in zip(g.samples, back.samples, strict=True):
+        assert [x.hex() for x in a.logprobs] == [x.hex() for x in b.logprobs]
+
+
+def _sample(**kw) -> dict:
+    base = dict(response_token_ids=[1, 2, 3], response_text="x", logprobs=[-0.1, -0.2, -0.3],
+                finish_reason="stop", policy_version=0)
+    return base | kw
+
+
+def test_logprob_count_must_match_tokens() -> None:
+    with pytest.raises(ValidationError, match="logprobs: 2 log-probs for 3 response tokens"):
+        Sample(**_sample(logprobs=[-0.1, -0.2]))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_logprobs_must_be_finite(bad: float) -> None:
+    with pytest.raises(ValidationError, match="logprobs: every behaviour log-prob must be finite"):
+        Sample(**_sample(logprobs=[-0.1, bad, -0.3]))
+
+
+def test_truncated_follows_finish_reason() -> None:
+    assert Sample(**_sample(finish_reason="length")).truncated
+    assert not Sample(**_sample(finish_reason="stop")).truncated
+
+
+@pytest.mark.parametrize("field", ["reward", "overlong_penalty"])
+def test_nan_rewards_rejected(field: str) -> None:
+    kw = {"reward": 1.0, "acc": True, "overlong_penalty": 0.0} | {field: math.nan}
+    with pytest.raises(ValidationError, match=field):
+        Score(**kw)
+
+
+def test_empty_group_rejected() -> None:
+    g = example_group(0)
+    with pytest.raises(ValidationError, match="samples"):
+        ScoredGroup(task=g.task, samples=[], scores=[], replica_id="r")
+
+
+def test_group_scores_must_match_samples() -> None:
+    g = example_group(0, n_samples=4)
+    with pytest.raises(ValidationError, match="scores: 3 scores for 4 samples"):
+        ScoredGroup(task=g.task, samples=g.samples, scores=g.scores[:3], replica_id="r")
+
+
+def test_group_size_must_match_task() -> None:
+    g = example_group(0, n_samples=4)
+    with pytest.raises(ValidationError, match="task.n_samples is 4"):
+        ScoredGroup(task=g.task, samples=g.samples[:2], scores=g.scores[:2], replica_id="r")
+
+
+def test_prompt_task_needs_a_prompt() -> None:
+    with pytest.raises(ValidationError, match="prompt"):
+        PromptTask(task_id="t", prompt_id="p", ground_truth="1", verifier="v", data_source="d", n_samples=2)
+    assert PromptTask(task_id="t", prompt_id="p", prompt_token_ids=[5], ground_truth="1", verifier="v",
+                      data_source="d", n_samples=2).prompt is None
+
+
+def test_train_batch_version_range_is_checked() -> None:
+    groups = [example_group(0, version=3), example_group(1, version=5)]
+    batch = TrainBatch.assemble(7, groups)
+    assert (batch.min_version, batch.max_version) == (3, 5)
+    with pytest.raises(ValidationError, match="min_version/max_version: declared 4..5"):
+        TrainBatch(batch_id=7, groups=groups, min_version=4, max_version=5)
+
+
+def test_train_batch_rejects_duplicate_groups() -> None:
+    g = example_group(0)
+    with pytest.raises(ValidationError, match="same group"):
+        TrainBatch.assemble(0, [g, g])
+
+
+def test_unknown_fields_rejected() -> None:
+    body = example_group(0).task.model_dump() | {"surprise": 1}
+    with pytest.raises(ValidationError, match="surprise"):
+        PromptTask.model_validate(body)
+
+
+# --- decode errors name the problem
+
+
+def test_decode_wrong_type() -> None:
+    with pytest.raises(DecodeError, match="reads ScoredGroup") as e:
+        decode(encode(example_group(0).task), ScoredGroup)
+    assert e.value.kind == "wrong_type"
+
+
+def test_decode_garbage() -> None:
+    with pytest.raises(DecodeError, match="not valid msgpack") as e:
+        decode({b"type": b"PromptTask", b"data": b"\xc1\xc1"}, PromptTask)
+    assert e.value.kind == "not_msgpack"
+
+
+def test_decode_missing_fields() -> None:
+    with pytest.raises(DecodeError, match="lacks") as e:
+        decode({b"x": b"y"}, PromptTask)
+    assert e.value.kind == "malformed"
+
+
+def test_decode_future_schema_version() -> None:
+    body = example_group(0).task.model_dump() | {"schema_version": 2}
+    with pytest.raises(DecodeError, match="schema_version 2") as e:
+        decode({b"type": b"PromptTask", b"data": msgpack.packb(body)}, PromptTask)
+    assert e.value.kind == "schema_version"
+
+
+def test_decode_invalid_names_field() -> None:
+    body = example_group(0).model_dump()
+    body["samples"][1]["logprobs"] = body["samples"][1]["logprobs"][:-1]
+    with pytest.raises(DecodeError, match=r"samples\.1: .*logprobs") as e:
+        decode({b"type": b"ScoredGroup", b"data": msgpack.packb(body)}, ScoredGroup)
+    assert e.value.kind == "invalid"
+
+
+def test_decode_size_cap() -> None:
+    fields = encode(example_group(0, n_tokens=256))
+    with pytest.raises(DecodeError, match="limit is 1000") as e:
+        decode(fields, ScoredGroup, max_bytes=1000)
+    assert e.value.kind == "too_large"
