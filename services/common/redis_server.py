@@ -111,7 +111,12 @@ class EmbeddedRedis:
                 start_new_session=True,  # Ctrl-C in a terminal reaches our handler, not redis directly
             )
             if self._wait_ready():
-                log.info("embedded Redis pid %d on 127.0.0.1:%d, data in %s", self.proc.pid, self.port, self.data_dir)
+                log.info(
+                    "embedded Redis pid %d on 127.0.0.1:%d, data in %s",
+                    self.proc.pid,
+                    self.port,
+                    self.data_dir,
+                )
                 return self.url
             if fixed_port:
                 break

@@ -1,8 +1,9 @@
 """The wire contracts of dapo-mesh: every message that crosses a process boundary.
 
 Producers and consumers import the same classes from here; nothing else defines a message.
-Each message carries `schema_version`; a consumer rejects a version it does not know (the
-streams adapter sends such a message to the dead-letter stream instead of crashing).
+Token ids and log-probs are packed arrays (services/common/arrays.py): bytes on the wire, numpy
+views in memory; they accept lists. Each message carries `schema_version`; a consumer rejects a
+version it does not know (the streams adapter dead-letters it instead of crashing).
 
 Data path (see shared/DESIGN.md):
     buffer --PromptTask--> rollout --ScoredGroup--> buffer --TrainBatch--> learner
@@ -11,13 +12,14 @@ Data path (see shared/DESIGN.md):
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
-SCHEMA_VERSION = 1
+from services.common.arrays import LogProbs, TokenIds
+
+SCHEMA_VERSION: Literal[1] = 1
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -36,7 +38,7 @@ class PromptTask(Message):
     task_id: str = Field(min_length=1, description="Unique per dispatch; the id of the group it becomes.")
     prompt_id: str = Field(min_length=1, description="Stable id of the dataset item.")
     prompt: str | None = Field(None, description="Prompt text (already templated).")
-    prompt_token_ids: list[int] | None = Field(None, description="Prompt token ids, if pre-tokenised.")
+    prompt_token_ids: TokenIds | None = Field(None, description="Prompt token ids, if pre-tokenised.")
     ground_truth: str = Field(description="What the verifier compares against (may be JSON).")
     verifier: str = Field(min_length=1, description="Verifier name, e.g. dapo_math, reasoning_gym:chain_sum.")
     data_source: str = Field(min_length=1)
@@ -54,9 +56,9 @@ class PromptTask(Message):
 class Sample(Message):
     """One sampled response, with the behaviour log-prob of every response token."""
 
-    response_token_ids: list[int]
+    response_token_ids: TokenIds
     response_text: str
-    logprobs: list[float] = Field(description="Behaviour log-prob of each response token.")
+    logprobs: LogProbs = Field(description="Behaviour log-prob of each response token (float32).")
     finish_reason: FinishReason
     policy_version: int = Field(ge=0, description="Version of the weights that generated this sample.")
 
@@ -72,25 +74,16 @@ class Sample(Message):
                 f"logprobs: {len(self.logprobs)} log-probs for "
                 f"{len(self.response_token_ids)} response tokens; they must match one to one"
             )
-        if not all(math.isfinite(x) for x in self.logprobs):
-            raise ValueError("logprobs: every behaviour log-prob must be finite (found NaN or inf)")
         return self
 
 
 class Score(Message):
     """The reward server's verdict on one sample."""
 
-    reward: float = Field(description="Final reward, overlong penalty included.")
+    reward: FiniteFloat = Field(description="Final reward, overlong penalty included.")
     acc: bool = Field(description="Whether the answer is correct.")
-    overlong_penalty: float = Field(0.0, le=0.0)
+    overlong_penalty: FiniteFloat = Field(0.0, le=0.0)
     pred: str | None = Field(None, description="The prediction the verifier extracted.")
-
-    @model_validator(mode="after")
-    def _finite(self) -> Self:
-        for name in ("reward", "overlong_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name}: must be finite, got {getattr(self, name)}")
-        return self
 
 
 class ScoredGroup(Message):
@@ -179,7 +172,7 @@ class ReplicaHeartbeat(Message):
     host: str = Field(min_length=1)
     port: int = Field(ge=0, le=65535)
     weight_version: int = Field(ge=0)
-    tokens_per_s: float = Field(0.0, ge=0.0)
+    tokens_per_s: FiniteFloat = Field(0.0, ge=0.0)
     state: Literal["starting", "ready", "syncing", "draining"] = "starting"
     timestamp: float = Field(default_factory=time.time)
 

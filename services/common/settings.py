@@ -56,11 +56,13 @@ class DapoSettings(BaseSettings):
 class RedisSettings(DapoSettings):
     redis_url: str | None = Field(
         None,
-        description="Redis URL, e.g. redis://127.0.0.1:6379/0. Unset: `dapo-mesh up` starts an embedded Redis.",
+        description="Redis URL, e.g. redis://127.0.0.1:6379/0. Unset: `dapo-mesh up` embeds one.",
     )
     redis_password: SecretStr | None = Field(None, description="Redis password (or put it in the URL).")
     redis_timeout_s: float = Field(10.0, gt=0, le=300, description="Timeout of every Redis socket wait.")
-    redis_retries: int = Field(5, ge=0, le=100, description="Retries with backoff before Redis counts as down.")
+    redis_retries: int = Field(
+        5, ge=0, le=100, description="Retries with backoff before Redis counts as down."
+    )
 
 
 class ServiceSettings(RedisSettings):

@@ -12,7 +12,8 @@ live consumer reclaims entries another consumer left idle for `claim_idle_ms` (X
 Consumers therefore deduplicate by message id (task_id, batch_id) where a duplicate matters.
 An entry that cannot be decoded or validated, or that was delivered more than `max_deliveries`
 times, is moved to the dead-letter stream with the reason and its original bytes, and acknowledged:
-one bad message never stops a consumer. Administration (trimming, pending/lag, the dead letters) lives in `stream_admin`.
+one bad message never stops a consumer. Administration (trimming, pending and lag, dead letters)
+lives in `stream_admin`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """What every HTTP service has: /healthz, /readyz, /metrics, /config, bearer-token auth, uvicorn.
 
-    registry = CollectorRegistry()
-    app = create_app("reward", settings, registry, ready=lambda: (pool_alive(), "process pool"))
-    app.include_router(my_router, dependencies=[Depends(require_token)])
-    serve(app, settings)
+registry = CollectorRegistry()
+app = create_app("reward", settings, registry, ready=lambda: (pool_alive(), "process pool"))
+app.include_router(my_router, dependencies=[Depends(require_token)])
+serve(app, settings)
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def require_token(request: Request, authorization: Annotated[str | None, Header(
     if token is None:
         return
     scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.encode(), token.get_secret_value().encode()
+    ):
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
             "missing or wrong bearer token: send `Authorization: Bearer <DAPO_AUTH_TOKEN>`",

@@ -1,6 +1,6 @@
 """A consumer process that reads entries and never acknowledges them (the test then SIGKILLs it).
 
-    python tests/integration/hold_pending.py REDIS_URL STREAM GROUP CONSUMER COUNT
+python tests/integration/hold_pending.py REDIS_URL STREAM GROUP CONSUMER COUNT
 """
 
 import sys

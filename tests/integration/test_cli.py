@@ -56,7 +56,9 @@ def test_prepared_model_matches_the_gguf(up_run) -> None:
     ours = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     gguf = smollm2_gguf()
     ref = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+        gguf.parent,
+        gguf_file=gguf.name,
+        dtype=torch.float32,
         quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
     )
     with torch.no_grad():

@@ -80,7 +80,9 @@ def test_killed_consumer_entries_are_reclaimed(client, stream, redis_url, repo_r
     env = os.environ | {"PYTHONPATH": str(repo_root)}
     proc = subprocess.Popen(
         [sys.executable, str(helper), redis_url, stream, "g", "doomed", "6"],
-        stdout=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]

@@ -20,11 +20,16 @@ TOKEN = "test-token-0123456789"
 @pytest.fixture
 def service(repo_root: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     port = free_port()
-    env = os.environ | {"PYTHONPATH": str(repo_root), "DAPO_AUTH_TOKEN": TOKEN,
-                        "DAPO_REDIS_URL": "redis://:pw-secret-xyz@127.0.0.1:1/0"}
+    env = os.environ | {
+        "PYTHONPATH": str(repo_root),
+        "DAPO_AUTH_TOKEN": TOKEN,
+        "DAPO_REDIS_URL": "redis://:pw-secret-xyz@127.0.0.1:1/0",
+    }
     proc = subprocess.Popen(
         [sys.executable, str(repo_root / "tests/integration/demo_service.py"), "--port", str(port)],
-        env=env, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -74,7 +79,10 @@ def test_health_ready_metrics_config_and_auth(service) -> None:
 def test_bad_setting_fails_at_start_up(repo_root: Path) -> None:
     r = subprocess.run(
         [sys.executable, str(repo_root / "tests/integration/demo_service.py"), "--port", "70000"],
-        env=os.environ | {"PYTHONPATH": str(repo_root)}, capture_output=True, text=True, timeout=60,
+        env=os.environ | {"PYTHONPATH": str(repo_root)},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 2
     assert "port (env DAPO_PORT, flag --port): Input should be less than or equal to 65535" in r.stderr

@@ -1,0 +1,1 @@
+"""Benchmarks: each module compares our code with the limit on the same machine, in the same run."""

@@ -1,0 +1,52 @@
+"""What every benchmark shares: a result row, timing, and the table printer."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Result:
+    bench: str
+    what: str
+    ours: float
+    limit: float
+    unit: str
+    limit_is: str  # what the limit measures
+    goal: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.limit if self.limit else float("nan")
+
+    def row(self) -> dict[str, object]:
+        return asdict(self) | {"ratio": round(self.ratio, 3)}
+
+
+def best_rates(fns: list[Callable[[], int]], repeats: int = 5) -> list[float]:
+    """Items per second of each `fn` (which returns how many items it handled): the median over
+    `repeats` rounds, the functions interleaved within a round so that drift hits all alike."""
+    rates: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, rates, strict=True):
+            t0 = time.perf_counter()
+            n = fn()
+            out.append(n / (time.perf_counter() - t0))
+    return [statistics.median(r) for r in rates]
+
+
+def print_table(results: list[Result]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("bench", "what", "ours", "limit", "unit", "ratio", "limit is", "goal")
+    for r in results:
+        table.add_row(
+            r.bench, r.what, f"{r.ours:,.1f}", f"{r.limit:,.1f}", r.unit, f"{r.ratio:.2f}", r.limit_is, r.goal
+        )
+    Console().print(table)
+    print(json.dumps([r.row() for r in results]))
