@@ -30,6 +30,7 @@ class PackedArray:
     dtype: ClassVar[np.dtype[Any]]
     json_item_type: ClassVar[str]
     __slots__ = ("_a",)
+    _a: np.ndarray[Any, Any]
 
     def __init__(self, values: Any):
         if isinstance(values, bytearray | memoryview):
