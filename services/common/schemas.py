@@ -113,8 +113,7 @@ class ScoredGroup(Message):
             raise ValueError(f"scores: {len(self.scores)} scores for {len(self.samples)} samples")
         if len(self.samples) != self.task.n_samples:
             raise ValueError(
-                f"samples: the group has {len(self.samples)} samples but task.n_samples is "
-                f"{self.task.n_samples}"
+                f"samples: the group has {len(self.samples)} samples but task.n_samples is {self.task.n_samples}"
             )
         return self
 
@@ -178,6 +177,40 @@ class ReplicaHeartbeat(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.__name__: cls
-    for cls in (PromptTask, Sample, Score, ScoredGroup, TrainBatch, WeightVersion, ReplicaHeartbeat)
+    cls.__name__: cls for cls in (PromptTask, Sample, Score, ScoredGroup, TrainBatch, WeightVersion, ReplicaHeartbeat)
 }
+
+
+# --------------------------------------------------------------------------- reward server HTTP API
+# POST /v1/score (rollout -> reward server). Versioned by the URL path, not by schema_version.
+
+
+class ScoreItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(max_length=256, description="Echoed back in the result.")
+    response: str = Field(description="The model's response text.")
+    ground_truth: str = Field(description="Reference answer (for reasoning_gym: the entry as JSON).")
+    verifier: str = Field(max_length=128, description="dapo_math | math_verify | reasoning_gym:<task>")
+    response_tokens: int | None = Field(None, ge=0, description="Response length; enables overlong shaping.")
+    max_response_tokens: int | None = Field(None, ge=1, description="L_max for this item (default: settings).")
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[ScoreItem] = Field(min_length=1)
+
+
+class ScoreResult(BaseModel):
+    id: str
+    score: float = Field(description="Verifier reward plus overlong penalty.")
+    acc: bool
+    pred: str | None = None
+    overlong_penalty: float = 0.0
+    timed_out: bool = False
+    error: str | None = None
+
+
+class ScoreResponse(BaseModel):
+    results: list[ScoreResult]

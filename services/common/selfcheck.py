@@ -62,9 +62,7 @@ def example_messages() -> list[Message]:
         groups[0],
         TrainBatch.assemble(0, groups),
         WeightVersion(version=1, step=1, batch_id=0, checkpoint_dir="/tmp/ckpt/v1"),
-        ReplicaHeartbeat(
-            replica_id="rollout-0", host="127.0.0.1", port=8002, weight_version=1, state="ready"
-        ),
+        ReplicaHeartbeat(replica_id="rollout-0", host="127.0.0.1", port=8002, weight_version=1, state="ready"),
     ]
 
 

@@ -60,9 +60,7 @@ class RedisSettings(DapoSettings):
     )
     redis_password: SecretStr | None = Field(None, description="Redis password (or put it in the URL).")
     redis_timeout_s: float = Field(10.0, gt=0, le=300, description="Timeout of every Redis socket wait.")
-    redis_retries: int = Field(
-        5, ge=0, le=100, description="Retries with backoff before Redis counts as down."
-    )
+    redis_retries: int = Field(5, ge=0, le=100, description="Retries with backoff before Redis counts as down.")
 
 
 class ServiceSettings(RedisSettings):
@@ -73,6 +71,7 @@ class ServiceSettings(RedisSettings):
     auth_token: SecretStr | None = Field(
         None, description="Bearer token required on every endpoint except /healthz. Unset: no auth."
     )
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_json: bool = Field(False, description="Log one JSON object per line (for log shippers).")
 

@@ -69,9 +69,7 @@ def stream_stats(client: redis.Redis, stream: str) -> StreamStats:
             lag = g.get("lag")
             if lag is None:  # Redis < 7 has no lag field: count the entries after the last delivered one
                 lag = len(client.xrange(stream, min=next_id(last), count=_LAG_SCAN_LIMIT))
-            groups.append(
-                GroupStats(as_str(g["name"]), int(g["consumers"]), int(g["pending"]), last, int(lag))
-            )
+            groups.append(GroupStats(as_str(g["name"]), int(g["consumers"]), int(g["pending"]), last, int(lag)))
         return StreamStats(stream, int(client.xlen(stream)), groups)
 
 

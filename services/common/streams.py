@@ -125,9 +125,7 @@ def decode(fields: dict[bytes, bytes], model: type[M], *, max_bytes: int = DEFAU
 # --------------------------------------------------------------------------- connection
 
 
-def connect(
-    url: str, *, password: str | None = None, timeout_s: float = 10.0, retries: int = 5
-) -> redis.Redis:
+def connect(url: str, *, password: str | None = None, timeout_s: float = 10.0, retries: int = 5) -> redis.Redis:
     """A client whose network calls time out and retry with jittered exponential backoff.
 
     `timeout_s` bounds every socket wait; blocking reads must block for less than that.

@@ -9,19 +9,22 @@ serve(app, settings)
 from __future__ import annotations
 
 import hmac
+import inspect
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response, status
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from pydantic import BaseModel
 
 from services.common.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
+disable_created_metrics()  # the *_created series double every counter for no use here
 
-ReadyCheck = Callable[[], tuple[bool, str]]
+ReadyCheck = Callable[[], tuple[bool, str] | Awaitable[tuple[bool, str]]]
 
 
 class Health(BaseModel):
@@ -36,9 +39,7 @@ def require_token(request: Request, authorization: Annotated[str | None, Header(
     if token is None:
         return
     scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.encode(), token.get_secret_value().encode()
-    ):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
             "missing or wrong bearer token: send `Authorization: Bearer <DAPO_AUTH_TOKEN>`",
@@ -47,6 +48,45 @@ def require_token(request: Request, authorization: Annotated[str | None, Header(
 
 
 Authorized = Annotated[None, Depends(require_token)]
+
+
+class BodySizeLimit:
+    """ASGI middleware: answer 413 to a request body over `max_bytes` (declared or streamed)."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(send)
+        seen, rejected = 0, False
+
+        async def limited_receive() -> Any:
+            nonlocal seen, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # answer now; the app sees the client go away
+                rejected = True
+                await self._reject(send)
+                return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Any) -> None:
+            if not rejected:  # whatever the app answers after our 413 is dropped
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
+
+    async def _reject(self, send: Any) -> None:
+        body = json.dumps({"detail": f"request body is larger than {self.max_bytes} bytes"}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 def create_app(
@@ -59,6 +99,7 @@ def create_app(
 ) -> FastAPI:
     """A FastAPI app with the standard endpoints; add the service's own routes to it."""
     app = FastAPI(title=f"dapo-mesh {service}", **fastapi_kwargs)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.state.settings = settings
     app.state.registry = registry
 
@@ -68,9 +109,10 @@ def create_app(
         return Health(status="ok", service=service)
 
     @app.get("/readyz", response_model=Health, tags=["ops"], responses={503: {"model": Health}})
-    def readyz(_: Authorized, response: Response) -> Health:
+    async def readyz(_: Authorized, response: Response) -> Health:
         """Readiness: the service can do real work now."""
-        ok, detail = ready() if ready else (True, "")
+        result = ready() if ready else (True, "")
+        ok, detail = await result if inspect.isawaitable(result) else result
         if not ok:
             response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
         return Health(status="ready" if ok else "not ready", service=service, detail=detail)

@@ -51,9 +51,7 @@ def test_logprob_count_must_match_tokens() -> None:
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_logprobs_must_be_finite(bad: float) -> None:
-    with pytest.raises(
-        ValidationError, match=r"logprobs\n  Value error, log-probs must be finite: .* at index 1"
-    ):
+    with pytest.raises(ValidationError, match=r"logprobs\n  Value error, log-probs must be finite: .* at index 1"):
         Sample(**_sample(logprobs=[-0.1, bad, -0.3]))
 
 
@@ -155,9 +153,7 @@ def test_decode_future_schema_version() -> None:
 def test_decode_invalid_names_field() -> None:
     body = example_group(0).model_dump()
     body["samples"][1]["logprobs"] = body["samples"][1]["logprobs"][:-4]  # one float32 fewer
-    with pytest.raises(
-        DecodeError, match=r"samples\.1: .*logprobs: 15 log-probs for 16 response tokens"
-    ) as e:
+    with pytest.raises(DecodeError, match=r"samples\.1: .*logprobs: 15 log-probs for 16 response tokens") as e:
         decode({b"type": b"ScoredGroup", b"data": msgpack.packb(body)}, ScoredGroup)
     assert e.value.kind == "invalid"
 

@@ -1,0 +1,23 @@
+"""python -m reward_server [--port 8001] [--workers 2] ...  (every flag also as env DAPO_*)."""
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    from reward_server.settings import RewardSettings
+    from services.common.logs import configure_logging
+    from services.common.settings import load_settings
+
+    settings = load_settings(RewardSettings, sys.argv[1:] if argv is None else argv, prog="python -m reward_server")
+    configure_logging("reward", settings)
+    import logging
+
+    logging.getLogger("reward_server").info("settings: %s", settings.redacted())
+    from reward_server.app import build_app
+    from services.common.web import serve
+
+    serve(build_app(settings), settings)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Turns score requests into results: cache, inline or pooled verification, overlong shaping.
+
+Verdicts are cached by (verifier, ground truth, what of the response the verifier reads): the last
+300 characters for dapo_math, a hash of the whole response otherwise. Timeouts and errors are not
+cached. The overlong penalty depends on the item's token count, so it is added after the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from typing import Any
+
+from cachetools import LRUCache
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from reward_server.overlong import overlong_penalty
+from reward_server.pool import JobTimeout, VerifierPool, WorkerDied
+from reward_server.settings import RewardSettings
+from reward_server.verifiers import INLINE, Verdict, run_verifier
+from reward_server.verifiers.dapo_math import TAIL_CHARS
+from services.common.schemas import ScoreItem, ScoreResult
+
+log = logging.getLogger(__name__)
+
+
+class RewardMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter("dapo_reward_requests", "Score requests.", ["status"], registry=registry)
+        self.items = Counter(
+            "dapo_reward_items", "Items scored.", ["verifier", "outcome"], registry=registry
+        )  # outcome: correct | wrong | timeout | error
+        self.request_seconds = Histogram(
+            "dapo_reward_request_latency_seconds", "Latency of a score request.", registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )  # fmt: skip
+        self.verify_seconds = Histogram(
+            "dapo_reward_verify_latency_seconds", "Latency of one verification.", ["verifier"],
+            registry=registry, buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+        )  # fmt: skip
+        self.timeouts = Counter(
+            "dapo_reward_timeouts", "Verifications over the limit.", ["verifier"], registry=registry
+        )
+        self.cache_hits = Counter("dapo_reward_cache_hits", "Verdicts served from the cache.", registry=registry)
+        self.cache_misses = Counter("dapo_reward_cache_misses", "Verdicts computed.", registry=registry)
+        self.pool_workers = Gauge("dapo_reward_pool_workers", "Live verifier workers.", registry=registry)
+        self.pool_restarts = Counter("dapo_reward_pool_restarts", "Workers replaced.", registry=registry)
+
+
+class Scorer:
+    def __init__(self, settings: RewardSettings, pool: VerifierPool, metrics: RewardMetrics):
+        self.settings, self.pool, self.metrics = settings, pool, metrics
+        self.cache: LRUCache[tuple[str, str, Any], Verdict] | None = (
+            LRUCache(settings.cache_size) if settings.cache_size else None
+        )
+
+    async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        verdicts = await asyncio.gather(*(self.verdict(it) for it in items))
+        return [self._result(it, v) for it, v in zip(items, verdicts, strict=True)]
+
+    async def verdict(self, item: ScoreItem) -> Verdict:
+        key = (item.verifier, item.ground_truth, _response_key(item))
+        if self.cache is not None and (hit := self.cache.get(key)) is not None:
+            self.metrics.cache_hits.inc()
+            return hit
+        self.metrics.cache_misses.inc()
+        t0 = time.perf_counter()
+        v = self._inline(item) if item.verifier in INLINE else await self._pooled(item)
+        self.metrics.verify_seconds.labels(item.verifier).observe(time.perf_counter() - t0)
+        if self.cache is not None and not (v.timed_out or v.error):
+            self.cache[key] = v
+        return v
+
+    def _inline(self, item: ScoreItem) -> Verdict:
+        try:
+            return run_verifier(item.verifier, item.response, item.ground_truth, **self._options())
+        except Exception as e:  # never a 500 for one bad item
+            log.exception("verifier %s failed", item.verifier)
+            return Verdict(-1.0, False, error=f"{type(e).__name__}: {e}")
+
+    async def _pooled(self, item: ScoreItem) -> Verdict:
+        job = {"verifier": item.verifier, "response": item.response, "ground_truth": item.ground_truth}
+        for attempt in (1, 2):  # a worker found dead is replaced; the job gets one more worker
+            try:
+                r = await self.pool.run(job | self._options(), timeout_s=self.settings.item_timeout_s)
+                return Verdict(float(r["score"]), bool(r["acc"]), pred=r["pred"], error=r["error"])
+            except JobTimeout:
+                self.metrics.timeouts.labels(item.verifier).inc()
+                limit = self.settings.item_timeout_s
+                return Verdict(-1.0, False, timed_out=True, error=f"over the {limit} s limit")
+            except WorkerDied as e:
+                if attempt == 2:
+                    return Verdict(-1.0, False, error=f"verifier process died: {e}")
+                log.warning("retrying a job on another worker: %s", e)
+        raise AssertionError("unreachable")
+
+    def _options(self) -> dict[str, Any]:
+        s = self.settings
+        return {"timeout_s": s.item_timeout_s, "lenient": s.rg_lenient, "continuous": s.rg_continuous}
+
+    def _result(self, item: ScoreItem, v: Verdict) -> ScoreResult:
+        s = self.settings
+        penalty = 0.0
+        if s.overlong_shaping and item.response_tokens is not None:
+            max_len = item.max_response_tokens or s.max_response_tokens
+            penalty = overlong_penalty(
+                item.response_tokens, max_len, min(s.overlong_buffer_tokens, max_len), s.overlong_factor
+            )
+        outcome = "timeout" if v.timed_out else "error" if v.error else "correct" if v.acc else "wrong"
+        self.metrics.items.labels(item.verifier, outcome).inc()
+        return ScoreResult(
+            id=item.id, score=v.score + penalty, acc=v.acc, pred=v.pred,
+            overlong_penalty=penalty, timed_out=v.timed_out, error=v.error,
+        )  # fmt: skip
+
+
+def _response_key(item: ScoreItem) -> str | bytes:
+    if item.verifier == "dapo_math":
+        return item.response[-TAIL_CHARS:]
+    return hashlib.blake2b(item.response.encode(), digest_size=16).digest()

@@ -1,0 +1,32 @@
+"""Settings of the reward server (env DAPO_*, or --flags)."""
+
+from __future__ import annotations
+
+from typing import Self
+
+from pydantic import Field, model_validator
+
+from services.common.settings import ServiceSettings
+
+
+class RewardSettings(ServiceSettings):
+    port: int = Field(8001, ge=0, le=65535, description="HTTP port.")
+    workers: int = Field(2, ge=1, le=256, description="Verifier worker processes (math-verify, reasoning-gym).")
+    item_timeout_s: float = Field(5.0, gt=0, le=600, description="Hard time limit of one verification.")
+    worker_start_timeout_s: float = Field(120.0, gt=0, description="Time a new worker may take to start.")
+    max_items: int = Field(4096, ge=1, description="Items per request (413 beyond).")
+    max_response_chars: int = Field(200_000, ge=1, description="Characters per response (413 beyond).")
+    max_ground_truth_chars: int = Field(100_000, ge=1, description="Characters per ground truth (413 beyond).")
+    cache_size: int = Field(100_000, ge=0, description="Verdicts kept in the LRU cache (0: no cache).")
+    overlong_shaping: bool = Field(True, description="Add DAPO's overlong penalty when tokens are given.")
+    max_response_tokens: int = Field(20480, ge=1, description="L_max when an item does not give one.")
+    overlong_buffer_tokens: int = Field(4096, ge=1, description="L_cache, the soft overlong buffer.")
+    overlong_factor: float = Field(1.0, ge=0, description="Penalty at and beyond L_max.")
+    rg_lenient: bool = Field(True, description="reasoning_gym: fall back to the last number in the response.")
+    rg_continuous: bool = Field(False, description="reasoning_gym: reward 2*score-1 instead of +-1.")
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> Self:
+        if self.overlong_buffer_tokens > self.max_response_tokens:
+            raise ValueError("overlong_buffer_tokens must be <= max_response_tokens")
+        return self

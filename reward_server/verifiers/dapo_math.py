@@ -1,0 +1,90 @@
+"""The DAPO rule reward (arXiv 2503.14476, §3.3 "Rule-based reward"), behaving exactly like the
+reference its authors released in verl (`verl/utils/reward_score/math_dapo.py`, `compute_score`).
+
+    verdict = dapo_math("... so the total is 12.\\nAnswer: 12", "12")   # Verdict(1.0, True, "12")
+
+What it does, in the reference's order:
+1. Only the last 300 characters of the response count.
+2. The prediction is the last case-insensitive `Answer: ...` match (rest of that line), normalised
+   Minerva-style; the ground truth is normalised the same way; correct = string equality.
+3. With no `Answer:` match, fall back to the last `\\boxed{...}` in the final 100 of those 300
+   characters, compared *unnormalised* with the *raw* ground truth (as the reference does).
+4. Score +1.0 / -1.0; `pred` is the normalised prediction, the raw boxed content, or "[INVALID]".
+Pure and bounded: on 300 characters the worst case seen is < 1 ms, so it runs in-process.
+"""
+
+from __future__ import annotations
+
+import re
+
+from reward_server.verifiers.base import Verdict
+
+TAIL_CHARS = 300  # the reference keeps this many ("the longest answer in MATH-500 has 159 characters")
+BOX_TAIL_CHARS = 100
+INVALID = "[INVALID]"
+ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+# Minerva normaliser data (lm-evaluation-harness hendrycks_math), order matters.
+_SUBSTITUTIONS = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)  # fmt: skip
+_REMOVED = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;",
+    r",\!", "{,}", '"', "\\dots",
+)  # fmt: skip
+_REWRITES = (
+    (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), "$\\3$"),  # keep only the first $...$ span
+    (re.compile(r"(\\text\{)(.*?)(\})"), "\\2"),
+    (re.compile(r"(\\textbf\{)(.*?)(\})"), "\\2"),
+    (re.compile(r"(\\overline\{)(.*?)(\})"), "\\2"),
+    (re.compile(r"(\\boxed\{)(.*)(\})"), "\\2"),
+    (re.compile(r"(frac)([^{])(.)"), "frac{\\2}{\\3}"),  # \fracab -> \frac{a}{b}
+    (re.compile(r"(sqrt)([^{])"), "sqrt{\\2}"),  # \sqrta -> \sqrt{a}
+)
+
+
+def normalize(answer: str) -> str:
+    """Minerva-style normalisation of a final answer (the reference's `normalize_final_answer`)."""
+    answer = answer.split("=")[-1]
+    for before, after in _SUBSTITUTIONS:
+        answer = answer.replace(before, after)
+    for expr in _REMOVED:
+        answer = answer.replace(expr, "")
+    for pattern, repl in _REWRITES:
+        answer = pattern.sub(repl, answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():  # 1,000 -> 1000
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` whose braces balance, or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + len("\\boxed{") : i]
+    return None
+
+
+def dapo_math(response: str, ground_truth: str) -> Verdict:
+    tail = response[-TAIL_CHARS:]
+    matches = ANSWER_LINE.findall(tail)
+    pred = normalize(matches[-1] if matches else INVALID)
+    correct = pred == normalize(ground_truth)
+    if pred == INVALID:
+        boxed = last_boxed(tail[-BOX_TAIL_CHARS:])
+        if boxed is not None:
+            pred, correct = boxed, boxed == ground_truth
+    return Verdict(score=1.0 if correct else -1.0, acc=correct, pred=pred)

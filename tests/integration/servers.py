@@ -1,0 +1,48 @@
+"""Start a service as a user would (`python -m <package> --port N ...`) and wait until it answers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from services.common.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def running(package: str, *args: str, env: dict[str, str] | None = None, ready_path: str = "/healthz",
+            token: str | None = None, timeout_s: float = 120.0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    e = os.environ | {"PYTHONPATH": str(ROOT)} | (env or {})
+    proc = subprocess.Popen([sys.executable, "-m", package, "--port", str(port), *args], env=e, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{package} exited with code {proc.returncode}")
+            try:
+                if httpx.get(base + ready_path, headers=headers, timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{package} not ready after {timeout_s} s")
+            time.sleep(0.2)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
