@@ -18,10 +18,12 @@ class Result:
     unit: str
     limit_is: str  # what the limit measures
     goal: str = ""
+    lower_is_better: bool = False  # latencies: the ratio is then limit / ours
 
     @property
     def ratio(self) -> float:
-        return self.ours / self.limit if self.limit else float("nan")
+        num, den = (self.limit, self.ours) if self.lower_is_better else (self.ours, self.limit)
+        return num / den if den else float("nan")
 
     def row(self) -> dict[str, object]:
         return asdict(self) | {"ratio": round(self.ratio, 3)}
@@ -48,5 +50,5 @@ def print_table(results: list[Result]) -> None:
         table.add_row(
             r.bench, r.what, f"{r.ours:,.1f}", f"{r.limit:,.1f}", r.unit, f"{r.ratio:.2f}", r.limit_is, r.goal
         )
-    Console().print(table)
+    Console(width=200).print(table)
     print(json.dumps([r.row() for r in results]))

@@ -8,6 +8,7 @@ cached. The overlong penalty depends on the item's token count, so it is added a
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import logging
 import time
@@ -37,8 +38,8 @@ class RewardMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )  # fmt: skip
         self.verify_seconds = Histogram(
-            "dapo_reward_verify_latency_seconds", "Latency of one verification.", ["verifier"],
-            registry=registry, buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+            "dapo_reward_verify_latency_seconds", "Latency of one pooled verification, queue wait included.",
+            ["verifier"], registry=registry, buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
         )  # fmt: skip
         self.timeouts = Counter(
             "dapo_reward_timeouts", "Verifications over the limit.", ["verifier"], registry=registry
@@ -57,20 +58,40 @@ class Scorer:
         )
 
     async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
-        verdicts = await asyncio.gather(*(self.verdict(it) for it in items))
-        return [self._result(it, v) for it, v in zip(items, verdicts, strict=True)]
+        """Cached and inline verdicts right away; pooled ones concurrently, each under its limit."""
+        verdicts: list[Verdict | None] = [None] * len(items)
+        pooled: list[tuple[int, Any]] = []
+        hits = 0
+        for i, item in enumerate(items):
+            key = (item.verifier, item.ground_truth, _response_key(item))
+            if self.cache is not None and (hit := self.cache.get(key)) is not None:
+                verdicts[i] = hit
+                hits += 1
+            elif item.verifier in INLINE:
+                verdicts[i] = self._remember(key, self._inline(item))
+            else:
+                pooled.append((i, key))
+        if pooled:
+            found = await asyncio.gather(*(self._pooled_timed(items[i]) for i, _ in pooled))
+            for (i, key), v in zip(pooled, found, strict=True):
+                verdicts[i] = self._remember(key, v)
+        self.metrics.cache_hits.inc(hits)
+        self.metrics.cache_misses.inc(len(items) - hits)
+        done = [v for v in verdicts if v is not None]
+        outcomes = collections.Counter((it.verifier, _outcome(v)) for it, v in zip(items, done, strict=True))
+        for (verifier, outcome), n in outcomes.items():
+            self.metrics.items.labels(verifier, outcome).inc(n)
+        return [self._result(it, v) for it, v in zip(items, done, strict=True)]
 
-    async def verdict(self, item: ScoreItem) -> Verdict:
-        key = (item.verifier, item.ground_truth, _response_key(item))
-        if self.cache is not None and (hit := self.cache.get(key)) is not None:
-            self.metrics.cache_hits.inc()
-            return hit
-        self.metrics.cache_misses.inc()
-        t0 = time.perf_counter()
-        v = self._inline(item) if item.verifier in INLINE else await self._pooled(item)
-        self.metrics.verify_seconds.labels(item.verifier).observe(time.perf_counter() - t0)
+    def _remember(self, key: tuple[str, str, Any], v: Verdict) -> Verdict:
         if self.cache is not None and not (v.timed_out or v.error):
             self.cache[key] = v
+        return v
+
+    async def _pooled_timed(self, item: ScoreItem) -> Verdict:
+        t0 = time.perf_counter()
+        v = await self._pooled(item)
+        self.metrics.verify_seconds.labels(item.verifier).observe(time.perf_counter() - t0)
         return v
 
     def _inline(self, item: ScoreItem) -> Verdict:
@@ -108,12 +129,14 @@ class Scorer:
             penalty = overlong_penalty(
                 item.response_tokens, max_len, min(s.overlong_buffer_tokens, max_len), s.overlong_factor
             )
-        outcome = "timeout" if v.timed_out else "error" if v.error else "correct" if v.acc else "wrong"
-        self.metrics.items.labels(item.verifier, outcome).inc()
         return ScoreResult(
             id=item.id, score=v.score + penalty, acc=v.acc, pred=v.pred,
             overlong_penalty=penalty, timed_out=v.timed_out, error=v.error,
         )  # fmt: skip
+
+
+def _outcome(v: Verdict) -> str:
+    return "timeout" if v.timed_out else "error" if v.error else "correct" if v.acc else "wrong"
 
 
 def _response_key(item: ScoreItem) -> str | bytes:

@@ -71,6 +71,14 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
     console.print(table)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def reward(ctx: typer.Context) -> None:
+    """Run the reward server (same flags as `python -m reward_server --help`)."""
+    from reward_server.__main__ import main
+
+    main(ctx.args)
+
+
 @app.command("prepare-model")
 def prepare_model(
     out: Annotated[Path, typer.Option(help="Output folder.")] = RUN_DIR / "models/smollm2-135m-instruct",

@@ -62,9 +62,18 @@ class RedisSettings(DapoSettings):
     redis_timeout_s: float = Field(10.0, gt=0, le=300, description="Timeout of every Redis socket wait.")
     redis_retries: int = Field(5, ge=0, le=100, description="Retries with backoff before Redis counts as down.")
 
+    def require_redis_url(self) -> str:
+        if not self.redis_url:
+            raise SystemExit(
+                "DAPO_REDIS_URL is not set: point it at the mesh's Redis (e.g. redis://127.0.0.1:6379/0), "
+                "or start the whole mesh with `dapo-mesh up`, which runs an embedded Redis."
+            )
+        return self.redis_url
 
-class ServiceSettings(RedisSettings):
-    """What every HTTP service has: bind address, auth token, logging."""
+
+class ServiceSettings(DapoSettings):
+    """What every HTTP service has: bind address, auth token, logging. Services that use Redis
+    also inherit RedisSettings: `class BufferSettings(ServiceSettings, RedisSettings)`."""
 
     host: str = Field("127.0.0.1", description="Address to bind the HTTP server to.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: any free port).")
@@ -74,14 +83,6 @@ class ServiceSettings(RedisSettings):
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond).")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_json: bool = Field(False, description="Log one JSON object per line (for log shippers).")
-
-    def require_redis_url(self) -> str:
-        if not self.redis_url:
-            raise SystemExit(
-                "DAPO_REDIS_URL is not set: point it at the mesh's Redis (e.g. redis://127.0.0.1:6379/0), "
-                "or start the whole mesh with `dapo-mesh up`, which runs an embedded Redis."
-            )
-        return self.redis_url
 
 
 def _setting_name(loc: tuple[Any, ...]) -> str:

@@ -33,7 +33,7 @@ class Health(BaseModel):
     detail: str = ""
 
 
-def require_token(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+async def require_token(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
     """Bearer-token check (constant-time compare); open when the service has no token set."""
     token = request.app.state.settings.auth_token
     if token is None:

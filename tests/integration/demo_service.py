@@ -3,14 +3,22 @@
 python tests/integration/demo_service.py --port 8123 [--auth-token T]
 """
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter
 
 from services.common.logs import configure_logging
-from services.common.settings import ServiceSettings, load_settings
+from services.common.settings import RedisSettings, ServiceSettings, load_settings
 from services.common.web import Authorized, create_app, serve
 
-settings = load_settings(ServiceSettings, prog="demo_service")
+
+class DemoSettings(ServiceSettings, RedisSettings):
+    pass
+
+
+settings = load_settings(DemoSettings, prog="demo_service")
 configure_logging("demo", settings)
+logging.getLogger("demo").info("settings: %s; url %s", settings.redacted(), settings.redis_url)  # masked
 registry = CollectorRegistry()
 hits = Counter("dapo_demo_hits", "Calls of /hit.", registry=registry)
 app = create_app("demo", settings, registry, ready=lambda: (hits._value.get() > 0, "needs one /hit"))

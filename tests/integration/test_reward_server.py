@@ -14,7 +14,7 @@ import httpx
 import pytest
 import reasoning_gym
 
-from tests.integration.servers import running
+from services.common.launch import running
 
 TOKEN = "reward-test-token-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -24,10 +24,24 @@ SLOW = "\\boxed{9^{9^{9^{9}}}}"  # math-verify spends > 1 s on this before its o
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    args = ["--workers", "2", "--item-timeout-s", str(LIMIT_S), "--max-items", "100",
-            "--max-response-chars", "5000", "--max-response-tokens", "100", "--overlong-buffer-tokens", "20"]
+    args = [
+        "--workers",
+        "2",
+        "--item-timeout-s",
+        str(LIMIT_S),
+        "--max-items",
+        "100",
+        "--max-response-chars",
+        "5000",
+        "--max-response-tokens",
+        "100",
+        "--overlong-buffer-tokens",
+        "20",
+    ]
     with running("reward_server", *args, env={"DAPO_AUTH_TOKEN": TOKEN}, ready_path="/readyz", token=TOKEN) as (
-        base, _):
+        base,
+        _,
+    ):
         yield base
 
 
@@ -106,8 +120,9 @@ def test_slow_item_times_out_without_delaying_others(server: str) -> None:
 
     def slow_request() -> None:
         t0 = time.monotonic()
-        slow_result["r"] = results(score(server, [item("slow", SLOW, "2", "math_verify"),
-                                                  item("quick", "Answer: 3", "3")]))
+        slow_result["r"] = results(
+            score(server, [item("slow", SLOW, "2", "math_verify"), item("quick", "Answer: 3", "3")])
+        )
         slow_result["s"] = time.monotonic() - t0
 
     t = threading.Thread(target=slow_request)
@@ -129,8 +144,14 @@ def test_slow_item_times_out_without_delaying_others(server: str) -> None:
 
 
 def test_many_slow_items_under_load_all_time_out_and_server_recovers(server: str) -> None:
-    got = results(score(server, [item(f"s{i}", SLOW, "2", "math_verify") for i in range(4)]
-                        + [item("ok", "\\boxed{5}", "5", "math_verify")], timeout=60))
+    got = results(
+        score(
+            server,
+            [item(f"s{i}", SLOW, "2", "math_verify") for i in range(4)]
+            + [item("ok", "\\boxed{5}", "5", "math_verify")],
+            timeout=60,
+        )
+    )
     assert [r["timed_out"] for r in got] == [True] * 4 + [False]
     assert got[-1]["acc"] is True
     ready = httpx.get(f"{server}/readyz", headers=AUTH, timeout=30)
@@ -147,8 +168,9 @@ def test_killed_worker_is_replaced_and_no_verdict_is_lost() -> None:
         [victim, survivor] = _worker_pids(proc.pid)
         os.kill(victim, signal.SIGKILL)
         for i in range(4):  # both workers are used in turn: the dead one is found and replaced
-            r = httpx.post(f"{base}/v1/score", json={"items": [item(i, f"\\boxed{{{i}}}", str(i), "math_verify")]},
-                           timeout=30)
+            r = httpx.post(
+                f"{base}/v1/score", json={"items": [item(i, f"\\boxed{{{i}}}", str(i), "math_verify")]}, timeout=30
+            )
             assert r.status_code == 200
             assert r.json()["results"][0]["acc"] is True, r.json()  # retried on a live worker
         deadline = time.monotonic() + 60  # the replacement counts once it has started and said ready
@@ -202,8 +224,9 @@ def test_malformed_and_oversized_bodies(server: str) -> None:
             yield b" " * (1024 * 1024)
         yield b"]}"
 
-    r = httpx.post(f"{server}/v1/score", content=chunks(), headers=AUTH | {"content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(
+        f"{server}/v1/score", content=chunks(), headers=AUTH | {"content-type": "application/json"}, timeout=60
+    )
     assert r.status_code == 413
 
 
@@ -223,9 +246,16 @@ def test_cache_serves_repeats(server: str) -> None:
 def test_ready_metrics_and_config(server: str) -> None:
     assert httpx.get(f"{server}/readyz", headers=AUTH).json()["status"] == "ready"
     m = httpx.get(f"{server}/metrics", headers=AUTH).text
-    for name in ("dapo_reward_requests_total", "dapo_reward_items_total", "dapo_reward_request_latency_seconds",
-                 "dapo_reward_verify_latency_seconds", "dapo_reward_timeouts_total", "dapo_reward_cache_hits_total",
-                 "dapo_reward_pool_workers", "dapo_reward_pool_restarts_total"):
+    for name in (
+        "dapo_reward_requests_total",
+        "dapo_reward_items_total",
+        "dapo_reward_request_latency_seconds",
+        "dapo_reward_verify_latency_seconds",
+        "dapo_reward_timeouts_total",
+        "dapo_reward_cache_hits_total",
+        "dapo_reward_pool_workers",
+        "dapo_reward_pool_restarts_total",
+    ):
         assert name in m, name
     config = httpx.get(f"{server}/config", headers=AUTH).json()
     assert config["item_timeout_s"] == LIMIT_S and config["auth_token"] == "**********"

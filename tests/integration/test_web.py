@@ -5,84 +5,47 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
-from services.common.redis_server import free_port
+from services.common.launch import ROOT, running
 
 TOKEN = "test-token-0123456789"
+ENV = {"DAPO_AUTH_TOKEN": TOKEN, "DAPO_REDIS_URL": "redis://:pw-secret-xyz@127.0.0.1:1/0"}
 
 
-@pytest.fixture
-def service(repo_root: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    port = free_port()
-    env = os.environ | {
-        "PYTHONPATH": str(repo_root),
-        "DAPO_AUTH_TOKEN": TOKEN,
-        "DAPO_REDIS_URL": "redis://:pw-secret-xyz@127.0.0.1:1/0",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, str(repo_root / "tests/integration/demo_service.py"), "--port", str(port)],
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("demo service did not come up")
-        yield base, proc
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def test_health_ready_metrics_config_and_auth(service) -> None:
-    base, proc = service
+def test_health_ready_metrics_config_and_auth(tmp_path: Path) -> None:
+    log = tmp_path / "demo.log"
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    assert httpx.get(f"{base}/healthz").json() == {"status": "ok", "service": "demo", "detail": ""}
-    for path in ("/readyz", "/metrics", "/config"):
-        r = httpx.get(base + path)
-        assert r.status_code == 401 and "bearer token" in r.json()["detail"]
-        assert httpx.get(base + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert httpx.post(f"{base}/hit").status_code == 401
+    with running("tests.integration.demo_service", env=ENV, log=log) as (base, _):
+        assert httpx.get(f"{base}/healthz").json() == {"status": "ok", "service": "demo", "detail": ""}
+        for path in ("/readyz", "/metrics", "/config"):
+            r = httpx.get(base + path)
+            assert r.status_code == 401 and "bearer token" in r.json()["detail"]
+            assert httpx.get(base + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(f"{base}/hit").status_code == 401
 
-    r = httpx.get(f"{base}/readyz", headers=auth)
-    assert r.status_code == 503 and r.json()["detail"] == "needs one /hit"
-    assert httpx.post(f"{base}/hit", headers=auth).json() == {"hits": 1}
-    assert httpx.get(f"{base}/readyz", headers=auth).status_code == 200
-    metrics = httpx.get(f"{base}/metrics", headers=auth)
-    assert "dapo_demo_hits_total 1.0" in metrics.text
-    assert metrics.headers["content-type"].startswith("text/plain")
+        r = httpx.get(f"{base}/readyz", headers=auth)
+        assert r.status_code == 503 and r.json()["detail"] == "needs one /hit"
+        assert httpx.post(f"{base}/hit", headers=auth).json() == {"hits": 1}
+        assert httpx.get(f"{base}/readyz", headers=auth).status_code == 200
+        metrics = httpx.get(f"{base}/metrics", headers=auth)
+        assert "dapo_demo_hits_total 1.0" in metrics.text
+        assert metrics.headers["content-type"].startswith("text/plain")
 
-    config = httpx.get(f"{base}/config", headers=auth).json()
-    assert config["port"] == int(base.rsplit(":", 1)[1])  # the --port flag took effect
-    assert config["auth_token"] == "**********"
-    assert config["redis_url"] == "redis://:***@127.0.0.1:1/0"
-    proc.terminate()
-    proc.wait(10)
-    logs = proc.stderr.read()
-    assert TOKEN not in logs and "pw-secret-xyz" not in logs
+        config = httpx.get(f"{base}/config", headers=auth).json()
+        assert config["port"] == int(base.rsplit(":", 1)[1])  # the --port flag took effect
+        assert config["auth_token"] == "**********"
+        assert config["redis_url"] == "redis://:***@127.0.0.1:1/0"
+    logs = log.read_text()
+    assert "listening on" in logs and TOKEN not in logs and "pw-secret-xyz" not in logs
 
 
-def test_bad_setting_fails_at_start_up(repo_root: Path) -> None:
+def test_bad_setting_fails_at_start_up() -> None:
     r = subprocess.run(
-        [sys.executable, str(repo_root / "tests/integration/demo_service.py"), "--port", "70000"],
-        env=os.environ | {"PYTHONPATH": str(repo_root)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+        [sys.executable, "-m", "tests.integration.demo_service", "--port", "70000"],
+        env=os.environ | {"PYTHONPATH": str(ROOT)}, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
     assert r.returncode == 2
     assert "port (env DAPO_PORT, flag --port): Input should be less than or equal to 65535" in r.stderr

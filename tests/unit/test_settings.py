@@ -9,10 +9,10 @@ import pytest
 from pydantic import Field
 
 from services.common.logs import SecretMask
-from services.common.settings import ServiceSettings, load_settings, redact_url
+from services.common.settings import RedisSettings, ServiceSettings, load_settings, redact_url
 
 
-class DemoSettings(ServiceSettings):
+class DemoSettings(ServiceSettings, RedisSettings):
     port: int = Field(8123, ge=1, le=65535)
     max_staleness: int = Field(4, ge=0, description="versions")
 

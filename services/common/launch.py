@@ -1,4 +1,9 @@
-"""Start a service as a user would (`python -m <package> --port N ...`) and wait until it answers."""
+"""Start a service as a process, as a user would (`python -m <package> --port N ...`), and wait
+until it answers. Used by the tests, the benchmarks and the local mesh launcher.
+
+    with running("reward_server", "--workers", "2", ready_path="/readyz") as (base_url, proc):
+        httpx.post(f"{base_url}/v1/score", json=...)
+"""
 
 from __future__ import annotations
 
@@ -14,15 +19,24 @@ import httpx
 
 from services.common.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout, so `python -m` finds the packages
 
 
 @contextmanager
-def running(package: str, *args: str, env: dict[str, str] | None = None, ready_path: str = "/healthz",
-            token: str | None = None, timeout_s: float = 120.0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def running(
+    package: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    ready_path: str = "/healthz",
+    token: str | None = None,
+    timeout_s: float = 120.0,
+    log: Path | None = None,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Yield (base URL, process); the process's stderr goes to `log` when given."""
     port = free_port()
     e = os.environ | {"PYTHONPATH": str(ROOT)} | (env or {})
-    proc = subprocess.Popen([sys.executable, "-m", package, "--port", str(port), *args], env=e, cwd=ROOT)
+    stderr = log.open("wb") if log else None
+    proc = subprocess.Popen([sys.executable, "-m", package, "--port", str(port), *args], env=e, cwd=ROOT, stderr=stderr)
     base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
@@ -46,3 +60,5 @@ def running(package: str, *args: str, env: dict[str, str] | None = None, ready_p
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+        if stderr:
+            stderr.close()
