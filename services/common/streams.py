@@ -41,6 +41,7 @@ STREAM_PROMPTS = "dapo:prompts"
 STREAM_ROLLOUTS = "dapo:rollouts"
 STREAM_BATCHES = "dapo:batches"
 DEAD_LETTER_STREAM = "dapo:dead-letter"
+KEY_POLICY_VERSION = "dapo:policy_version"  # the learner's current version, an integer
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 M = TypeVar("M", bound=Message)

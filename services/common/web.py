@@ -130,6 +130,22 @@ def create_app(
     return app
 
 
+def serve_in_thread(app: FastAPI, settings: ServiceSettings) -> Any:
+    """Serve from a daemon thread (for processes whose main thread does the work, like the learner).
+    Returns the uvicorn Server: set `.should_exit = True` to stop it."""
+    import threading
+
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=None, access_log=False, timeout_keep_alive=5
+    )
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, name="http", daemon=True).start()
+    log.info("listening on http://%s:%d", settings.host, settings.port)
+    return server
+
+
 def serve(app: FastAPI, settings: ServiceSettings) -> None:
     """Run under uvicorn with the settings' bind address; logs go through our handlers."""
     import uvicorn

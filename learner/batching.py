@@ -1,0 +1,101 @@
+"""TrainBatch -> padded tensors, and the mini-/micro-batch split.
+
+Each sample becomes one row: prompt token ids then response token ids, right-padded. Everything
+is aligned with `input_ids` positions: `response_mask[i, t]` is 1 where token t is a response token,
+`behaviour_logp[i, t]` is the rollout's log-prob of that token (see loss.token_logprobs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+
+import torch
+
+from services.common.schemas import TrainBatch
+
+Tokenize = Callable[[str], list[int]]
+
+
+@dataclass
+class BatchTensors:
+    input_ids: torch.Tensor  # [N, T] long
+    attention_mask: torch.Tensor  # [N, T] long
+    response_mask: torch.Tensor  # [N, T] float
+    behaviour_logp: torch.Tensor  # [N, T] float
+    rewards: torch.Tensor  # [N] float
+    group_index: torch.Tensor  # [N] long
+    truncated: torch.Tensor  # [N] bool
+    versions: torch.Tensor  # [N] long: policy version that generated each sample
+    # filled in by the trainer before the updates:
+    old_logp: torch.Tensor | None = None  # [N, T] log-probs under the weights before this batch
+    advantages: torch.Tensor | None = None  # [N]
+    loss_mask: torch.Tensor | None = None  # [N, T] response_mask, minus filtered samples
+    is_weights: torch.Tensor | None = None  # [N, T] truncated importance weights
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, idx: torch.Tensor | slice) -> BatchTensors:
+        """Rows `idx`, trimmed to the longest of them (less padding per micro-batch)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        part = BatchTensors(**{k: v if v is None else v[idx] for k, v in values.items()})  # type: ignore[arg-type]
+        width = int(part.attention_mask.sum(-1).max()) if len(part) else 0
+        for k, v in vars(part).items():
+            if v is not None and v.ndim == 2:
+                setattr(part, k, v[:, :width])
+        return part
+
+    @property
+    def response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+
+def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None) -> BatchTensors:
+    """`tokenize` is used only for prompts that arrive as text without token ids."""
+    rows: list[tuple[list[int], list[int], list[float]]] = []
+    rewards, groups, truncated, versions = [], [], [], []
+    for gi, group in enumerate(batch.groups):
+        task = group.task
+        if task.prompt_token_ids is not None:
+            prompt = task.prompt_token_ids.tolist()
+        elif tokenize is not None and task.prompt is not None:
+            prompt = tokenize(task.prompt)
+        else:
+            raise ValueError(f"group {task.task_id}: no prompt_token_ids and no tokenizer to make them")
+        for sample, score in zip(group.samples, group.scores, strict=True):
+            rows.append((prompt, sample.response_token_ids.tolist(), sample.logprobs.tolist()))
+            rewards.append(score.reward)
+            groups.append(gi)
+            truncated.append(sample.truncated)
+            versions.append(sample.policy_version)
+    width = max(len(p) + len(r) for p, r, _ in rows)
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    response = torch.zeros((n, width), dtype=torch.float32)
+    behaviour = torch.zeros((n, width), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(rows):
+        end = len(p) + len(r)
+        input_ids[i, :end] = torch.tensor(p + r, dtype=torch.long)
+        attention[i, :end] = 1
+        response[i, len(p) : end] = 1.0
+        behaviour[i, len(p) : end] = torch.tensor(lp, dtype=torch.float32)
+    return BatchTensors(
+        input_ids, attention, response, behaviour,
+        torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups, dtype=torch.long),
+        torch.tensor(truncated, dtype=torch.bool), torch.tensor(versions, dtype=torch.long),
+    )  # fmt: skip
+
+
+def minibatches(n: int, count: int, *, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Split row indices 0..n-1, shuffled, into `count` near-equal mini-batches (one optimizer step each)."""
+    count = max(1, min(count, n))
+    order = torch.randperm(n, generator=generator)
+    return [chunk for chunk in torch.tensor_split(order, count) if len(chunk)]
+
+
+def microbatches(idx: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
+    """Consecutive chunks of `size` rows (gradient accumulation within one mini-batch)."""
+    for start in range(0, len(idx), size):
+        yield idx[start : start + size]

@@ -1,0 +1,94 @@
+"""Checkpoints that make every batch count exactly once.
+
+A checkpoint is DeepSpeed's (weights, optimizer, LR schedule) plus our `LearnerState`: the policy
+version, the optimizer step, and the ids of every batch whose update the weights contain (the
+ledger). The learner acknowledges a batch only once a checkpoint holds it, so after a crash the
+restarted learner reclaims exactly the batches the checkpoint lacks and trains those.
+
+    state = load(engine, run_dir) or LearnerState()
+    save(engine, run_dir, state, keep=2, hf_export=True, tokenizer=tok)
+
+Files under run_dir: checkpoints/<tag>/ (DeepSpeed; `latest` names the newest complete one),
+state.json (the newest state, for people and audits), hf/v<version>/ (safetensors that transformers
+and vLLM load) with hf/latest naming the newest export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LearnerState:
+    version: int = 0  # policy version: batches trained into the weights
+    step: int = 0  # optimizer steps
+    trained: list[int] = field(default_factory=list)  # batch ids in the weights, in training order
+
+    def advance(self, batch_id: int, steps: int) -> None:
+        self.trained.append(batch_id)
+        self.version += 1
+        self.step += steps
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2, hf_export: bool = True,
+         tokenizer: Any = None) -> str:  # fmt: skip
+    ckpt_dir = run_dir / "checkpoints"
+    tag = f"v{state.version:06d}"
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"dapo": asdict(state)})
+    _write_atomic(run_dir / "state.json", json.dumps(asdict(state) | {"tag": tag}))
+    tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("v"))
+    for old in tags[:-keep]:
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    if hf_export:
+        export_hf(engine, run_dir / "hf", state.version, tokenizer=tokenizer, keep=keep)
+    return tag
+
+
+def load(engine: Any, run_dir: Path) -> LearnerState | None:
+    ckpt_dir = run_dir / "checkpoints"
+    if not (ckpt_dir / "latest").exists():
+        return None
+    path, client_state = engine.load_checkpoint(str(ckpt_dir))
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint named in {ckpt_dir / 'latest'}")
+    state = LearnerState(**client_state["dapo"])
+    log.info("resumed from %s: version %d, %d batches trained", path, state.version, len(state.trained))
+    return state
+
+
+def export_hf(engine: Any, hf_dir: Path, version: int, *, tokenizer: Any = None, keep: int = 2) -> Path:
+    """The current weights as an HF safetensors folder (gathered first under ZeRO-3)."""
+    import deepspeed
+
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    out = hf_dir / f"v{version:06d}"
+    tmp = hf_dir / f".tmp-v{version:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    module = engine.module
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
+        if engine.global_rank == 0:
+            module.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    _write_atomic(hf_dir / "latest", out.name)
+    exports = sorted(p.name for p in hf_dir.iterdir() if p.is_dir() and p.name.startswith("v"))
+    for old in exports[:-keep]:
+        shutil.rmtree(hf_dir / old, ignore_errors=True)
+    return out

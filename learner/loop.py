@@ -1,0 +1,101 @@
+"""The learner's main loop: TrainBatches from Redis in, DAPO updates, checkpoints, acknowledgements.
+
+    python -m learner --model-dir DIR --redis-url URL [--checkpoint-every 1] ...
+
+Read a batch (own pending first after a restart, then reclaimed, then new); skip it if the
+checkpointed weights already contain it; train; bump the policy version in Redis; call the
+weight-publishing hook; every `checkpoint_every` batches write a checkpoint and only then
+acknowledge the batches it contains. A crash therefore loses no batch and trains none twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+
+from learner import checkpoint
+from learner.checkpoint import LearnerState
+from learner.metrics import LearnerMetrics
+from learner.settings import LearnerSettings
+from learner.trainer import Trainer
+from services.common.schemas import TrainBatch
+from services.common.stream_admin import stream_stats
+from services.common.streams import KEY_POLICY_VERSION, STREAM_BATCHES, StreamConsumer, connect
+from services.common.web import create_app, serve_in_thread
+
+log = logging.getLogger(__name__)
+GROUP = "learner"
+Publisher = Callable[[int, Trainer], None]  # (new version, trainer): the weight-sync hook
+
+
+def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | None = None) -> LearnerState:
+    s = settings
+    client = connect(
+        s.require_redis_url(), password=s.redis_password.get_secret_value() if s.redis_password else None,
+        timeout_s=s.redis_timeout_s, retries=s.redis_retries,
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    metrics = LearnerMetrics(registry)
+    holder: dict[str, Trainer] = {}
+    app = create_app("learner", s, registry, ready=lambda: ("t" in holder, "model loaded" if holder else "loading"))
+    server = serve_in_thread(app, s)
+    try:
+        holder["t"] = trainer = Trainer(s)
+        s.run_dir.mkdir(parents=True, exist_ok=True)
+        state = checkpoint.load(trainer.engine, s.run_dir) or LearnerState()
+        client.set(KEY_POLICY_VERSION, state.version)  # a crash may have left a newer version that was lost
+        metrics.policy_version.set(state.version)
+        consumer = StreamConsumer(
+            client, STREAM_BATCHES, GROUP, s.consumer_name, TrainBatch,
+            claim_idle_ms=s.claim_idle_ms, max_deliveries=s.max_deliveries, registry=registry,
+        )  # fmt: skip
+        done, trained_now = set(state.trained), 0
+        unacked: list[str] = []  # trained, not yet in a checkpoint: acknowledged by the next commit()
+
+        def commit() -> None:
+            t0 = time.perf_counter()
+            checkpoint.save(trainer.engine, s.run_dir, state, keep=s.keep_checkpoints, hf_export=s.hf_export,
+                            tokenizer=trainer.tokenizer)  # fmt: skip
+            metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+            consumer.ack(*unacked)
+            unacked.clear()
+
+        with open(s.run_dir / "trained.jsonl", "a") as ledger:
+            while not stop.is_set() and (s.max_batches is None or trained_now < s.max_batches):
+                groups = stream_stats(client, STREAM_BATCHES).groups
+                metrics.batches_pending.set(sum((g.lag or 0) + g.pending for g in groups if g.name == GROUP))
+                for d in consumer.read(count=1, block_ms=1000):
+                    batch = d.message
+                    if batch.batch_id in done:  # redelivered, but its update is already in the weights
+                        consumer.ack(d.entry_id)
+                        metrics.batches_skipped.inc()
+                        continue
+                    m = trainer.train(batch)
+                    lag = max(0, state.version - batch.min_version)
+                    state.advance(batch.batch_id, s.minibatches)
+                    done.add(batch.batch_id)
+                    metrics.record(m, state.version, lag)
+                    ledger.write(json.dumps({"batch_id": batch.batch_id, "version": state.version, "pid": os.getpid(),
+                                             "lag": lag, **m}) + "\n")  # fmt: skip
+                    ledger.flush()
+                    client.set(KEY_POLICY_VERSION, state.version)
+                    if publish is not None:
+                        publish(state.version, trainer)
+                    unacked.append(d.entry_id)
+                    trained_now += 1
+                    log.info("batch %d -> version %d: loss %.4f, %.1f s", batch.batch_id, state.version,
+                             m.get("loss", 0.0), m["seconds"])  # fmt: skip
+                    if len(unacked) >= s.checkpoint_every:
+                        commit()
+            if unacked:
+                commit()
+        return state
+    finally:
+        server.should_exit = True
+        client.close()

@@ -1,0 +1,42 @@
+"""Settings of the learner (env DAPO_*, or --flags). Defaults are the DAPO paper's where it has one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.settings import RedisSettings, ServiceSettings
+
+
+class LearnerSettings(ServiceSettings, RedisSettings):
+    port: int = Field(8002, ge=0, le=65535, description="HTTP port (health, metrics).")
+    model_dir: Path = Field(Path(".dapo/models/smollm2-135m-instruct"), description="HF model folder (safetensors).")
+    run_dir: Path = Field(Path(".dapo/learner"), description="Checkpoints, HF exports, state and ledger.")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    bf16: bool = Field(False, description="Train in bf16 (fp32 master weights).")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate (DAPO: 1e-6).")
+    warmup_steps: int = Field(20, ge=0, description="Linear LR warm-up, in optimizer steps (DAPO: 20).")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (DAPO: 0.1).")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip (DAPO: 1.0).")
+    minibatches: int = Field(16, ge=1, description="Optimizer steps per TrainBatch (DAPO: 16).")
+    micro_batch_size: int = Field(4, ge=1, description="Samples per forward/backward (gradient accumulation).")
+    clip_low: float = Field(0.2, gt=0, lt=1, description="epsilon_low of clip-higher.")
+    clip_high: float = Field(0.28, gt=0, description="epsilon_high of clip-higher (= clip_low: no clip-higher).")
+    clip_c: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="Loss aggregation: DAPO token-mean, GRPO seq-mean-token-mean, Dr.GRPO."
+    )
+    normalize_std: bool = Field(True, description="Divide advantages by the group std (False: Dr.GRPO).")
+    overlong_filter: bool = Field(False, description="Mask truncated samples out of the loss.")
+    tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling cap C (unset: off).")
+    checkpoint_every: int = Field(1, ge=1, description="Checkpoint (and acknowledge) every n batches.")
+    keep_checkpoints: int = Field(2, ge=1, description="DeepSpeed checkpoints kept on disk.")
+    hf_export: bool = Field(True, description="Write an HF safetensors export with each checkpoint.")
+    consumer_name: str = Field("learner-0", description="Consumer name in the batches stream's group.")
+    claim_idle_ms: int = Field(60_000, ge=0, description="Reclaim batches another learner left idle this long.")
+    max_deliveries: int = Field(5, ge=1, description="A batch delivered more often goes to the dead letters.")
+    max_batches: int | None = Field(None, ge=1, description="Stop after training this many batches.")
+    seed: int = Field(0, description="Seed of the mini-batch shuffling.")
+    dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port for a single process (0: free).")

@@ -1,0 +1,178 @@
+"""The DAPO update on a DeepSpeed engine: one TrainBatch in, the weights moved, metrics out.
+
+    trainer = Trainer(settings)              # loads the HF model, wraps it with deepspeed.initialize
+    metrics = trainer.train(batch)           # old log-probs once, then `minibatches` optimizer steps
+
+Per batch: advantages per group (Eq. 9), old log-probs with the current weights (no grad), then the
+samples are shuffled into `minibatches` mini-batches, each one optimizer step over its micro-batches.
+The loss of a micro-batch is normalised by the token count of its whole mini-batch (DAPO Eq. 8), so
+DeepSpeed is told not to rescale by accumulation steps, and the mini-batch ends at `engine.step()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from learner.advantages import group_advantages
+from learner.batching import BatchTensors, microbatches, minibatches, to_tensors
+from learner.loss import entropy, policy_loss, token_logprobs
+from learner.settings import LearnerSettings
+from services.common.redis_server import free_port
+from services.common.schemas import TrainBatch
+
+log = logging.getLogger(__name__)
+
+
+def init_distributed(port: int = 0) -> None:
+    """A one-process world unless a launcher (torchrun, deepspeed) already described one."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port or free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def warmup_lambda(warmup_steps: int) -> Any:
+    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+
+
+class Trainer:
+    def __init__(self, settings: LearnerSettings, model: torch.nn.Module | None = None):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        self.s = settings
+        init_distributed(settings.dist_port)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
+        config = getattr(model, "config", None)
+        pad = getattr(config, "pad_token_id", None)
+        self.pad_id = int(pad if pad is not None else getattr(config, "eos_token_id", None) or 0)
+        self.tokenizer = self._tokenizer()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(settings.warmup_steps))
+        ds_config = {
+            "train_micro_batch_size_per_gpu": settings.micro_batch_size,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,  # step() ends a mini-batch of any number of micro-batches
+            "gradient_clipping": settings.grad_clip,
+            "zero_optimization": {"stage": settings.zero_stage},
+            "bf16": {"enabled": settings.bf16},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.device = self.engine.device
+
+    def _tokenizer(self) -> Any:
+        if (
+            not (self.s.model_dir / "tokenizer.json").exists()
+            and not (self.s.model_dir / "tokenizer_config.json").exists()
+        ):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.s.model_dir)
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"prompt arrived as text but {self.s.model_dir} has no tokenizer")
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    @torch.no_grad()
+    def logprobs(self, t: BatchTensors) -> torch.Tensor:
+        """Per-token log-probs of every row under the current weights ([N, T], aligned with input_ids)."""
+        out = torch.zeros_like(t.behaviour_logp)
+        for idx in microbatches(torch.arange(len(t)), self.s.micro_batch_size):
+            part = t.select(idx)
+            logits = self.engine(
+                input_ids=part.input_ids.to(self.device), attention_mask=part.attention_mask.to(self.device)
+            ).logits
+            out[idx, : part.input_ids.shape[1]] = token_logprobs(logits, part.input_ids.to(self.device)).float().cpu()
+        return out
+
+    def prepare(self, batch: TrainBatch) -> BatchTensors:
+        s = self.s
+        t = to_tensors(batch, self.pad_id, self._tokenize if self.tokenizer is not None else None)
+        t.advantages = group_advantages(t.rewards, t.group_index, normalize_std=s.normalize_std)
+        keep = (~t.truncated).float().unsqueeze(-1) if s.overlong_filter else 1.0
+        t.loss_mask = t.response_mask * keep
+        t.old_logp = self.logprobs(t)
+        if s.tis_cap is not None:  # rollout engine and learner disagree a little: reweight, capped
+            t.is_weights = torch.exp(t.old_logp - t.behaviour_logp).clamp(max=s.tis_cap) * t.response_mask
+        return t
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        t = self.prepare(batch)
+        sums: dict[str, float] = {}
+        weight = 0.0
+        grad_norms = []
+        for mb in minibatches(len(t), self.s.minibatches, generator=self.generator):
+            assert t.loss_mask is not None
+            tokens = float(t.loss_mask[mb].sum())
+            if tokens == 0:  # every sample of this mini-batch filtered out
+                continue
+            for idx in microbatches(mb, self.s.micro_batch_size):
+                m, n = self._micro_step(t.select(idx), tokens, len(mb), norm_len=t.input_ids.shape[1])
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v * n
+                weight += n
+            grad_norms.append(self._step())
+        seconds = time.perf_counter() - t0
+        out = {k: v / weight for k, v in sums.items()} if weight else {}
+        out |= {
+            "seconds": seconds,
+            "tokens_per_s": t.response_tokens / seconds,
+            "response_tokens": float(t.response_tokens),
+            "grad_norm": max(grad_norms) if grad_norms else 0.0,
+            "lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.s.lr,
+            "reward_mean": float(t.rewards.mean()),
+        }
+        return out
+
+    def _step(self) -> float:
+        """Optimizer step; returns the gradient norm before clipping."""
+        if self.s.zero_stage == 0 and not self.s.bf16:  # DeepSpeed keeps no norm on this path: take it here
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            self.engine.step()
+            return norm
+        self.engine.step()
+        return float(self.engine.get_global_grad_norm() or 0.0)
+
+    def _micro_step(
+        self, part: BatchTensors, tokens: float, seqs: int, norm_len: int
+    ) -> tuple[dict[str, float], float]:
+        assert part.old_logp is not None and part.advantages is not None and part.loss_mask is not None
+        ids = part.input_ids.to(self.device)
+        logits = self.engine(input_ids=ids, attention_mask=part.attention_mask.to(self.device)).logits
+        logp = token_logprobs(logits, ids)
+        dev = self.device
+        loss, m = policy_loss(
+            logp, part.old_logp.to(dev), part.advantages.to(dev), part.loss_mask.to(dev),
+            clip_low=self.s.clip_low, clip_high=self.s.clip_high, clip_c=self.s.clip_c, agg=self.s.loss_agg,
+            global_tokens=tokens, global_seqs=seqs, norm_len=norm_len,
+            is_weights=None if part.is_weights is None else part.is_weights.to(dev),
+        )  # fmt: skip
+        self.engine.backward(loss, scale_wrt_gas=False)
+        with torch.no_grad():
+            m["entropy"] = float(entropy(logits[:, :-1].detach(), part.loss_mask[:, 1:].to(dev)))
+            m["loss"] = float(loss) * tokens / max(float(part.loss_mask.sum()), 1.0)  # this part's token-mean
+        return m, float(part.loss_mask.sum())
+
+    def sequence_logprob(self, batch: TrainBatch) -> torch.Tensor:
+        """Sum of response-token log-probs of each sample under the current weights (for tests and eval)."""
+        t = to_tensors(batch, self.pad_id)
+        return (self.logprobs(t) * t.response_mask).sum(-1)

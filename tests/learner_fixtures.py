@@ -1,0 +1,52 @@
+"""Tiny random Llama models and hand-made TrainBatches for the learner tests and benchmarks."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from pathlib import Path
+
+from services.common.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
+
+VOCAB = 256
+
+
+def tiny_llama(path: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
+        eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def group(i: int, rewards: list[float], *, prompt_len: int = 6, resp_len: int = 8, version: int = 0,
+          seed: int | None = None) -> ScoredGroup:  # fmt: skip
+    rng = random.Random(i if seed is None else seed)
+    task = PromptTask(
+        task_id=f"t{i}-{uuid.uuid4().hex[:6]}", prompt_id=f"p{i}",
+        prompt_token_ids=[rng.randrange(3, VOCAB) for _ in range(prompt_len)],
+        ground_truth="1", verifier="dapo_math", data_source="test", n_samples=len(rewards),
+    )  # fmt: skip
+    samples = [
+        Sample(
+            response_token_ids=[rng.randrange(3, VOCAB) for _ in range(resp_len - j % 3)],
+            response_text="x",
+            logprobs=[-5.5] * (resp_len - j % 3),
+            finish_reason="stop",
+            policy_version=version,
+        )  # fmt: skip
+        for j in range(len(rewards))
+    ]
+    scores = [Score(reward=r, acc=r > 0) for r in rewards]
+    return ScoredGroup(task=task, samples=samples, scores=scores, replica_id="test")
+
+
+def batch(batch_id: int, n_groups: int = 2, g: int = 4, **kw: object) -> TrainBatch:
+    rewards = [1.0 if k % 2 == 0 else -1.0 for k in range(g)]
+    return TrainBatch.assemble(batch_id, [group(batch_id * 100 + i, rewards, **kw) for i in range(n_groups)])  # type: ignore[arg-type]
