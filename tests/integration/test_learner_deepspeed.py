@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from learner.settings import LearnerSettings
+from learner.tiny import group, tiny_llama
 from learner.trainer import Trainer
 from services.common.schemas import TrainBatch
-from tests.learner_fixtures import group, tiny_llama
 
 
 @pytest.mark.slow

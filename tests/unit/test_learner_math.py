@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from learner.advantages import group_advantages
-from learner.loss import entropy, policy_loss, token_logprobs
+from learner.loss import entropy, policy_loss, token_logprobs, token_logprobs_and_entropy
 
 torch.set_default_dtype(torch.float64)
 
@@ -180,3 +180,6 @@ def test_token_logprobs_and_entropy() -> None:
     p = torch.softmax(logits, -1)
     per = -(p * p.log()).sum(-1)
     assert entropy(logits, mask).item() == pytest.approx(((per * mask).sum() / mask.sum()).item(), abs=1e-9)
+    lp2, ent = token_logprobs_and_entropy(logits, ids)
+    assert torch.allclose(lp2, lp) and ent is not None
+    assert torch.allclose(ent[:, 1:], per[:, :-1], atol=1e-9) and (ent[:, 0] == 0).all()

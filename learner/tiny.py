@@ -1,4 +1,8 @@
-"""Tiny random Llama models and hand-made TrainBatches for the learner tests and benchmarks."""
+"""Tiny random Llama models and hand-made TrainBatches: for tests, benchmarks and smoke runs.
+
+model_dir = tiny_llama(Path("/tmp/tiny"))          # a random LlamaForCausalLM saved as safetensors
+batch = tiny_batch(0)                              # a TrainBatch whose token ids fit VOCAB
+"""
 
 from __future__ import annotations
 
@@ -11,13 +15,13 @@ from services.common.schemas import PromptTask, Sample, Score, ScoredGroup, Trai
 VOCAB = 256
 
 
-def tiny_llama(path: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+def tiny_llama(path: Path, *, layers: int = 2, hidden: int = 64, vocab: int = VOCAB, seed: int = 0) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
         eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
     )  # fmt: skip
@@ -47,6 +51,6 @@ def group(i: int, rewards: list[float], *, prompt_len: int = 6, resp_len: int = 
     return ScoredGroup(task=task, samples=samples, scores=scores, replica_id="test")
 
 
-def batch(batch_id: int, n_groups: int = 2, g: int = 4, **kw: object) -> TrainBatch:
+def tiny_batch(batch_id: int, n_groups: int = 2, g: int = 4, **kw: object) -> TrainBatch:
     rewards = [1.0 if k % 2 == 0 else -1.0 for k in range(g)]
     return TrainBatch.assemble(batch_id, [group(batch_id * 100 + i, rewards, **kw) for i in range(n_groups)])  # type: ignore[arg-type]

@@ -1,0 +1,85 @@
+"""The learner as a process fed by Redis: SIGKILL after a checkpoint, restart, every batch exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from learner.tiny import tiny_batch, tiny_llama
+from services.common.launch import ROOT
+from services.common.redis_server import EmbeddedRedis, free_port
+from services.common.streams import KEY_POLICY_VERSION, STREAM_BATCHES, StreamProducer, connect
+
+
+def start_learner(model: Path, run_dir: Path, url: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    args = ["--model-dir", str(model), "--run-dir", str(run_dir), "--redis-url", url, "--port", str(port),
+            "--checkpoint-every", "3", "--minibatches", "2", "--micro-batch-size", "4", "--lr", "1e-3",
+            "--warmup-steps", "0", *extra]  # fmt: skip
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "learner", *args], env=env, cwd=ROOT)
+
+
+def wait_for(predicate, timeout_s: float = 240, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    path = run_dir / "trained.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def state(run_dir: Path) -> dict:
+    path = run_dir / "state.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@pytest.mark.slow
+def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tmp_path: Path) -> None:
+    model = tiny_llama(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        client = connect(server.url)
+        producer = StreamProducer(client, STREAM_BATCHES)
+        producer.publish_many(tiny_batch(i) for i in range(5))
+
+        port = free_port()
+        first = start_learner(model, run_dir, server.url, port)
+        try:
+            wait_for(lambda: int(client.get(KEY_POLICY_VERSION) or 0) == 5, what="five batches trained")
+            wait_for(lambda: state(run_dir).get("version") == 3, what="the checkpoint after batch 2")
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            assert "dapo_learner_policy_version 5.0" in metrics and "dapo_learner_batches_trained_total 5.0" in metrics
+        finally:
+            first.send_signal(signal.SIGKILL)
+            first.wait(30)
+        assert [e["batch_id"] for e in ledger(run_dir)] == [0, 1, 2, 3, 4]
+        assert client.xpending(STREAM_BATCHES, "learner")["pending"] == 2  # 3 and 4: trained, never checkpointed
+
+        producer.publish(tiny_batch(5))
+        second = start_learner(model, run_dir, server.url, free_port(), "--max-batches", "3")
+        assert second.wait(300) == 0
+        second_pid = second.pid
+
+        entries = ledger(run_dir)
+        assert [e["batch_id"] for e in entries if e["pid"] == second_pid] == [3, 4, 5]  # exactly the missing ones
+        final = state(run_dir)
+        assert final["trained"] == [0, 1, 2, 3, 4, 5] and final["version"] == 6  # each batch once in the weights
+        assert int(client.get(KEY_POLICY_VERSION)) == 6
+        assert client.xpending(STREAM_BATCHES, "learner")["pending"] == 0
+        assert (run_dir / "hf" / "latest").read_text() == "v000006"
+
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "v000006")  # loadable by transformers
+    assert exported.config.vocab_size == 256
