@@ -175,7 +175,7 @@ class Trainer:
             is_weights=None if part.is_weights is None else part.is_weights.to(dev),
         )  # fmt: skip
         self.engine.backward(loss, scale_wrt_gas=False)
-        m["loss"] = float(loss) * tokens / max(float(part.loss_mask.sum()), 1.0)  # this part's token-mean
+        m["loss"] = float(loss.detach()) * tokens / max(float(part.loss_mask.sum()), 1.0)  # this part's token-mean
         return m, float(part.loss_mask.sum())
 
     def sequence_logprob(self, batch: TrainBatch) -> torch.Tensor:
