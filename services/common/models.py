@@ -56,8 +56,12 @@ def prepare_model(out_dir: Path = DEFAULT_MODEL_DIR, source: Path | None = None)
     src = Path(source) if source is not None else smollm2_gguf()
     if src.is_dir():
         log.info("copying the HF model in %s to %s as fp32 safetensors", src, out_dir)
-        tok = AutoTokenizer.from_pretrained(src)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        try:
+            tok = AutoTokenizer.from_pretrained(src)
+        except (OSError, ValueError):
+            log.warning("%s has no tokenizer: prompts must then arrive as token ids", src)
+            tok = None
     elif src.suffix == ".gguf" and src.is_file():
         log.info("dequantising %s into %s", src, out_dir)
         kw = {"gguf_file": src.name}
@@ -72,7 +76,8 @@ def prepare_model(out_dir: Path = DEFAULT_MODEL_DIR, source: Path | None = None)
     tmp.chmod(0o755)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
+        if tok is not None:
+            tok.save_pretrained(tmp)
         (tmp / "dapo_source.json").write_text(json.dumps({"source": str(src)}))
         shutil.rmtree(out_dir, ignore_errors=True)
         tmp.rename(out_dir)  # atomic: a half-written folder is never taken for a model

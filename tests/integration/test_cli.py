@@ -78,3 +78,20 @@ def test_status_shows_groups_pending_and_lag(embedded_redis) -> None:
     [row] = [ln for ln in r.stdout.splitlines() if STREAM_ROLLOUTS in ln]
     cells = [c.strip() for c in row.split("│")[1:7]]
     assert cells == [STREAM_ROLLOUTS, "5", "buffer", "1", "2", "3"]  # length, group, consumers, pending, lag
+
+
+def test_prepare_model_from_a_local_hf_folder(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.tiny import tiny_llama
+
+    src = tiny_llama(tmp_path / "src")
+    root = Path(__file__).resolve().parents[2]
+    r = run(["prepare-model", "--source", str(src), "--out", str(tmp_path / "out")], cwd=root, PYTHONPATH=str(root))
+    assert r.returncode == 0, r.stderr
+    a = AutoModelForCausalLM.from_pretrained(src).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    r = run(["prepare-model", "--source", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")], cwd=root)
+    assert r.returncode != 0 and "neither an HF model folder nor a .gguf file" in r.stderr + r.stdout
