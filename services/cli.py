@@ -1,9 +1,9 @@
 """`dapo-mesh`: the command line of the mesh. Heavy imports happen inside the commands.
 
-dapo-mesh up              # the local mesh (today: Redis, the model and a transport check)
-dapo-mesh redis           # run the embedded Redis in the foreground
-dapo-mesh status          # streams, consumer groups, pending, lag, dead letters
-dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
+    dapo-mesh up              # the local mesh (today: Redis, the model and a transport check)
+    dapo-mesh redis           # run the embedded Redis in the foreground
+    dapo-mesh status          # streams, consumer groups, pending, lag, dead letters
+    dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
     dapo-mesh reward ...      # the reward server (python -m reward_server)
     dapo-mesh learner ...     # the learner (python -m learner)
 """
