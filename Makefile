@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.dapo-setup
-EXTRAS ?= dev,model,reward,learner
+EXTRAS ?= dev,model,reward,learner,buffer
 
 .PHONY: setup up test lint bench clean
 

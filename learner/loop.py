@@ -26,11 +26,10 @@ from learner.settings import LearnerSettings
 from learner.trainer import Trainer
 from services.common.schemas import TrainBatch
 from services.common.stream_admin import stream_stats
-from services.common.streams import KEY_POLICY_VERSION, STREAM_BATCHES, StreamConsumer, connect
+from services.common.streams import GROUP_LEARNER, KEY_POLICY_VERSION, STREAM_BATCHES, StreamConsumer, connect
 from services.common.web import create_app, serve_in_thread
 
 log = logging.getLogger(__name__)
-GROUP = "learner"
 Publisher = Callable[[int, Trainer], None]  # (new version, trainer): the weight-sync hook
 
 
@@ -52,7 +51,7 @@ def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | N
         client.set(KEY_POLICY_VERSION, state.version)  # a crash may have left a newer version that was lost
         metrics.policy_version.set(state.version)
         consumer = StreamConsumer(
-            client, STREAM_BATCHES, GROUP, s.consumer_name, TrainBatch,
+            client, STREAM_BATCHES, GROUP_LEARNER, s.consumer_name, TrainBatch,
             claim_idle_ms=s.claim_idle_ms, max_deliveries=s.max_deliveries, registry=registry,
         )  # fmt: skip
         done, trained_now = set(state.trained), 0
@@ -69,7 +68,7 @@ def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | N
         with open(s.run_dir / "trained.jsonl", "a") as ledger:
             while not stop.is_set() and (s.max_batches is None or trained_now < s.max_batches):
                 groups = stream_stats(client, STREAM_BATCHES).groups
-                metrics.batches_pending.set(sum((g.lag or 0) + g.pending for g in groups if g.name == GROUP))
+                metrics.batches_pending.set(sum((g.lag or 0) + g.pending for g in groups if g.name == GROUP_LEARNER))
                 for d in consumer.read(count=1, block_ms=1000):
                     batch = d.message
                     if batch.batch_id in done:  # redelivered, but its update is already in the weights

@@ -1,11 +1,11 @@
 """`dapo-mesh`: the command line of the mesh. Heavy imports happen inside the commands.
 
-    dapo-mesh up              # the local mesh (today: Redis, the model and a transport check)
-    dapo-mesh redis           # run the embedded Redis in the foreground
-    dapo-mesh status          # streams, consumer groups, pending, lag, dead letters
-    dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
-    dapo-mesh reward ...      # the reward server (python -m reward_server)
-    dapo-mesh learner ...     # the learner (python -m learner)
+dapo-mesh up              # the local mesh (today: Redis, the model and a transport check)
+dapo-mesh redis           # run the embedded Redis in the foreground
+dapo-mesh status          # streams, consumer groups, pending, lag, dead letters
+dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
+dapo-mesh reward ...      # the reward server (python -m reward_server)
+dapo-mesh learner ...     # the learner (python -m learner)
 """
 
 from __future__ import annotations
@@ -85,6 +85,14 @@ def reward(ctx: typer.Context) -> None:
 def learner(ctx: typer.Context) -> None:
     """Run the learner (same flags as `python -m learner --help`)."""
     from learner.__main__ import main
+
+    main(ctx.args)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def buffer(ctx: typer.Context) -> None:
+    """Run the buffer (same flags as `python -m services.buffer --help`)."""
+    from services.buffer.__main__ import main
 
     main(ctx.args)
 

@@ -42,6 +42,9 @@ STREAM_ROLLOUTS = "dapo:rollouts"
 STREAM_BATCHES = "dapo:batches"
 DEAD_LETTER_STREAM = "dapo:dead-letter"
 KEY_POLICY_VERSION = "dapo:policy_version"  # the learner's current version, an integer
+GROUP_ROLLOUT = "rollout"  # rollout servers, on the prompts stream
+GROUP_BUFFER = "buffer"  # the buffer, on the rollouts stream
+GROUP_LEARNER = "learner"  # the learner, on the batches stream
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 M = TypeVar("M", bound=Message)

@@ -1,0 +1,175 @@
+"""Prompt sources for the buffer, each split into a training part and a held-out evaluation part.
+
+    source = load_source("reasoning_gym:chain_sum", size=10000, seed=42, config={"chain_sum": {...}})
+    source = load_source("reasoning_gym:chain_sum=0.7,basic_arithmetic=0.3", ...)   # a weighted mix
+    source = load_source("file:/data/dapo-math-17k.parquet")                         # verl schema
+    source.train[i] -> Item;  source.eval -> list[Item] (never dispatched for training)
+
+reasoning-gym items are generated from Random(seed + i), so two datasets with close seeds overlap
+almost entirely: the evaluation split is drawn from a far-away seed, and any question that also
+occurs in training is dropped from it. Files in the verl / DAPO-Math-17k schema (`data_source`,
+`prompt` as chat messages, `reward_model.ground_truth`) are read unchanged; their last `eval_size`
+rows after a fixed shuffle are held out.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Template = Literal["dapo", "short", "none"]
+EVAL_SEED_OFFSET = 1_000_003
+
+DAPO_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+SHORT_TEMPLATE = "{problem}\nReply with 'Answer: <number>'."
+
+
+@dataclass(frozen=True)
+class Item:
+    prompt_id: str
+    prompt: str
+    ground_truth: str
+    verifier: str
+    data_source: str
+
+
+def apply_template(problem: str, template: Template) -> str:
+    if template == "dapo":
+        return DAPO_TEMPLATE.format(problem=problem)
+    if template == "short":
+        return SHORT_TEMPLATE.format(problem=problem)
+    return problem
+
+
+@dataclass
+class Source:
+    name: str
+    train: Sequence[Item]
+    eval: list[Item]
+
+
+class _RGItems(Sequence[Item]):
+    """A lazy view of a weighted mix of reasoning-gym datasets (items made on access)."""
+
+    def __init__(self, tasks: dict[str, float], size: int, seed: int, config: dict[str, dict[str, Any]],
+                 template: Template):  # fmt: skip
+        import reasoning_gym
+
+        self.size, self.seed, self.template = size, seed, template
+        self.names = list(tasks)
+        self.weights = [tasks[n] for n in self.names]
+        self.datasets = {
+            n: reasoning_gym.create_dataset(n, size=size, seed=seed, **config.get(n, {})) for n in self.names
+        }
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _task(self, i: int) -> str:
+        if len(self.names) == 1:
+            return self.names[0]
+        return random.Random(self.seed * 7919 + i).choices(self.names, self.weights)[0]
+
+    def __getitem__(self, i: int) -> Item:  # type: ignore[override]
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        task = self._task(i)
+        entry = self.datasets[task][i]
+        ground_truth = json.dumps({"answer": entry["answer"], "metadata": entry.get("metadata", {})}, default=str)
+        return Item(f"rg/{task}/{self.seed}/{i}", apply_template(entry["question"], self.template), ground_truth,
+                    f"reasoning_gym:{task}", f"reasoning_gym/{task}")  # fmt: skip
+
+    def question(self, i: int) -> str:
+        return str(self.datasets[self._task(i)][i]["question"])
+
+
+def parse_tasks(spec: str) -> dict[str, float]:
+    """'chain_sum' or 'chain_sum=0.7,basic_arithmetic=0.3' -> {name: weight}."""
+    out: dict[str, float] = {}
+    for part in spec.split(","):
+        name, _, w = part.strip().partition("=")
+        if not name:
+            raise ValueError(f"empty task name in {spec!r}")
+        out[name] = float(w) if w else 1.0
+        if out[name] <= 0:
+            raise ValueError(f"task weight must be > 0: {part!r}")
+    return out
+
+
+def reasoning_gym_source(tasks: dict[str, float], *, size: int, seed: int, eval_size: int,
+                         config: dict[str, dict[str, Any]], template: Template) -> Source:  # fmt: skip
+    from reasoning_gym.factory import DATASETS
+
+    unknown = sorted(set(tasks) - set(DATASETS))
+    if unknown:
+        raise ValueError(f"unknown reasoning-gym tasks {unknown}; e.g. chain_sum, basic_arithmetic, gsm_symbolic")
+    train = _RGItems(tasks, size, seed, config, template)
+    eval_items: list[Item] = []
+    if eval_size:
+        seen = {train.question(i) for i in range(size)}
+        pool = _RGItems(tasks, eval_size * 2 + 16, seed + EVAL_SEED_OFFSET, config, template)
+        for i in range(len(pool)):
+            if pool.question(i) not in seen:
+                seen.add(pool.question(i))
+                eval_items.append(pool[i])
+                if len(eval_items) == eval_size:
+                    break
+    return Source("reasoning_gym:" + ",".join(f"{n}={w:g}" for n, w in tasks.items()), train, eval_items)
+
+
+def _verl_row(i: int, row: dict[str, Any], path: Path, template: Template, verifier: str | None) -> Item:
+    prompt = row["prompt"]
+    if isinstance(prompt, list | tuple):  # chat messages: the last user turn carries the problem
+        users = [m["content"] for m in prompt if m.get("role") == "user"]
+        if not users:
+            raise ValueError(f"{path} row {i}: prompt has no user message")
+        text = users[-1]
+    else:
+        text = str(prompt)
+    rm = row.get("reward_model") or {}
+    if "ground_truth" not in rm:
+        raise ValueError(f"{path} row {i}: no reward_model.ground_truth")
+    source = str(row.get("data_source", path.stem))
+    ident = (row.get("extra_info") or {}).get("index", i)
+    return Item(f"file/{path.name}/{ident}", apply_template(text, template), str(rm["ground_truth"]),
+                verifier or "dapo_math", source)  # fmt: skip
+
+
+def file_source(path: Path, *, eval_size: int, seed: int, template: Template, verifier: str | None) -> Source:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    elif path.suffix in (".jsonl", ".json"):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        raise ValueError(f"{path}: expected .parquet or .jsonl")
+    items = [_verl_row(i, r, path, template, verifier) for i, r in enumerate(rows)]
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(eval_size, len(items) // 2)
+    held = set(order[len(order) - n_eval :])
+    return Source(f"file:{path}", [it for i, it in enumerate(items) if i not in held], [items[i] for i in sorted(held)])
+
+
+def load_source(spec: str, *, size: int = 10_000, seed: int = 42, eval_size: int = 200,
+                config: dict[str, dict[str, Any]] | None = None, template: Template = "short",
+                file_verifier: str | None = None) -> Source:  # fmt: skip
+    if spec.startswith("reasoning_gym:"):
+        tasks = parse_tasks(spec[len("reasoning_gym:") :])
+        return reasoning_gym_source(tasks, size=size, seed=seed, eval_size=eval_size, config=config or {},
+                                    template=template)  # fmt: skip
+    if spec.startswith("file:"):
+        path = Path(spec[len("file:") :])
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset file {path} not found")
+        return file_source(path, eval_size=eval_size, seed=seed, template=template, verifier=file_verifier)
+    raise ValueError(f"dataset {spec!r}: use reasoning_gym:<task>[=w,...] or file:<path.parquet|.jsonl>")

@@ -1,0 +1,35 @@
+"""Prometheus metrics of the buffer (dapo_buffer_*)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class BufferMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = r = registry
+        self.dispatched = Counter("dapo_buffer_prompts_dispatched", "Prompts published.", registry=r)
+        self.in_flight = Gauge(
+            "dapo_buffer_prompts_in_flight", "Prompts dispatched, group not yet received.", registry=r
+        )
+        self.received = Counter("dapo_buffer_groups_received", "Scored groups received.", registry=r)
+        self.kept = Counter("dapo_buffer_groups_kept", "Groups kept for a batch.", registry=r)
+        self.filtered = Counter("dapo_buffer_groups_filtered", "Groups dropped, by reason.", ["reason"], registry=r)
+        self.pass_rate = Histogram(
+            "dapo_buffer_pass_rate", "Fraction of correct samples per received group.", registry=r,
+            buckets=(0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0),
+        )  # fmt: skip
+        self.version_lag = Histogram(
+            "dapo_buffer_version_lag", "Policy versions behind the learner, kept groups.", registry=r,
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+        )  # fmt: skip
+        self.batches = Counter("dapo_buffer_batches_published", "TrainBatches published.", registry=r)
+        self.fill_seconds = Histogram(
+            "dapo_buffer_batch_fill_seconds", "Seconds between two published batches.", registry=r,
+            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )  # fmt: skip
+        self.keep_ratio = Gauge("dapo_buffer_keep_ratio", "Kept / received over the last 256 groups.", registry=r)
+        self.carry = Gauge("dapo_buffer_carry_groups", "Kept groups waiting for the next batch.", registry=r)
+        self.paused = Gauge("dapo_buffer_paused", "1 while dispatch is paused (degenerate pass rate).", registry=r)
+        self.stream_depth = Gauge("dapo_buffer_stream_depth", "Entries in a stream.", ["stream"], registry=r)
+        self.epoch = Gauge("dapo_buffer_epoch", "Dataset epoch of the dispatch cursor.", registry=r)

@@ -1,0 +1,235 @@
+"""The buffer: the mesh's data controller. One loop, three jobs:
+
+1. dispatch — publish PromptTasks (G samples each) while the staleness budget allows; the dataset
+   cursor is saved in the same MULTI/EXEC as the tasks, so a restart neither repeats nor skips;
+2. accept — read ScoredGroups; drop stale ones and, with dynamic sampling, ones whose accuracy does
+   not vary (acknowledged and counted); keep the rest, unacknowledged, in the carry;
+3. assemble — every B kept groups become a TrainBatch with the next batch id, published and the
+   groups acknowledged in one server-side step: a kept group is in exactly one batch, and after a
+   crash the partial batch is rebuilt from the groups still pending.
+
+    buffer = Buffer(settings, client, source, BufferMetrics(registry))
+    while not stop.is_set():
+        buffer.step()
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import redis
+
+from services.buffer.datasets import Item, Source
+from services.buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, pass_rate, version_lag
+from services.buffer.metrics import BufferMetrics
+from services.buffer.settings import BufferSettings
+from services.common.schemas import PromptTask, ScoredGroup, TrainBatch
+from services.common.stream_admin import stream_stats
+from services.common.streams import (
+    GROUP_BUFFER,
+    GROUP_LEARNER,
+    GROUP_ROLLOUT,
+    KEY_POLICY_VERSION,
+    STREAM_BATCHES,
+    STREAM_PROMPTS,
+    STREAM_ROLLOUTS,
+    Delivery,
+    StreamConsumer,
+    encode,
+    ensure_group,
+    redis_errors,
+)
+
+log = logging.getLogger(__name__)
+
+KEY_CURSOR = "dapo:buffer:cursor"
+KEY_BATCH_ID = "dapo:buffer:batch_id"  # INCR gives the next batch id (ids start at 0)
+DISPATCH_CHUNK = 64
+
+
+@dataclass
+class Cursor:
+    epoch: int = 0
+    position: int = 0
+    seed: int = 0
+
+
+class Buffer:
+    def __init__(self, settings: BufferSettings, client: redis.Redis, source: Source, metrics: BufferMetrics):
+        self.s, self.client, self.source, self.m = settings, client, source, metrics
+        ensure_group(client, STREAM_PROMPTS, GROUP_ROLLOUT)  # outstanding prompts are countable from the start
+        ensure_group(client, STREAM_BATCHES, GROUP_LEARNER)  # batches are kept until the learner acknowledges them
+        self.consumer = StreamConsumer(
+            client, STREAM_ROLLOUTS, GROUP_BUFFER, settings.consumer_name, ScoredGroup,
+            claim_idle_ms=settings.claim_idle_ms, registry=metrics.registry,
+        )  # fmt: skip
+        raw = client.get(KEY_CURSOR)
+        self.cursor = Cursor(**json.loads(raw)) if raw else Cursor(seed=settings.shuffle_seed)
+        self._order: tuple[int, list[int]] | None = None
+        self.carry: list[Delivery[ScoredGroup]] = []
+        self.published: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent group ids
+        self.recent: collections.deque[bool] = collections.deque(maxlen=256)  # kept? of the last groups
+        self.filtered_streak = 0
+        self.paused_until = 0.0
+        self.status = "starting"
+        self.last_batch_at = time.monotonic()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self, block_ms: int = 500) -> None:
+        self.dispatch()
+        for d in self.consumer.read(count=DISPATCH_CHUNK, block_ms=block_ms):
+            self.accept(d)
+        if len(self.carry) >= self.s.batch_size:
+            self.purge_stale()
+        while len(self.carry) >= self.s.batch_size:
+            self.publish_batch()
+        self.m.carry.set(len(self.carry))
+
+    # ------------------------------------------------------------------ dispatch
+
+    def policy_version(self) -> int:
+        with redis_errors(self.client):
+            return int(self.client.get(KEY_POLICY_VERSION) or 0)
+
+    def counts(self) -> tuple[int, int]:
+        """(outstanding: dispatched and not yet received, waiting: received and not yet in a batch)."""
+        prompts = {g.name: g for g in stream_stats(self.client, STREAM_PROMPTS).groups}
+        rollouts = {g.name: g for g in stream_stats(self.client, STREAM_ROLLOUTS).groups}
+        p, r = prompts.get(GROUP_ROLLOUT), rollouts.get(GROUP_BUFFER)
+        outstanding = (p.lag or 0) + p.pending if p else 0
+        outstanding += (r.lag or 0) if r else 0
+        waiting = r.pending if r else 0
+        return outstanding, waiting
+
+    def dispatch(self) -> int:
+        s = self.s
+        if time.monotonic() < self.paused_until:
+            return 0
+        if self.paused_until:
+            log.info("resuming dispatch after a degenerate-pass-rate pause")
+            self.paused_until = 0.0
+            self.m.paused.set(0)
+        outstanding, waiting = self.counts()
+        self.m.in_flight.set(outstanding)
+        n = min(dispatch_budget(s.max_staleness, s.batch_size, outstanding, waiting), DISPATCH_CHUNK)
+        version = self.policy_version()
+        pipe = self.client.pipeline(transaction=True)
+        sent = 0
+        for _ in range(n):
+            item = self._next_item()
+            if item is None:
+                self.status = f"dataset exhausted after {self.s.max_epochs} epochs"
+                break
+            task = PromptTask(
+                task_id=f"{item.prompt_id}#e{self.cursor.epoch}", prompt_id=item.prompt_id, prompt=item.prompt,
+                ground_truth=item.ground_truth, verifier=item.verifier, data_source=item.data_source,
+                n_samples=s.n_samples, dispatch_version=version,
+            )  # fmt: skip
+            pipe.xadd(STREAM_PROMPTS, encode(task))  # type: ignore[arg-type]
+            sent += 1
+        if sent:
+            pipe.set(KEY_CURSOR, json.dumps(asdict(self.cursor)))  # with the tasks, or not at all
+            with redis_errors(self.client):
+                pipe.execute()
+            self.m.dispatched.inc(sent)
+            self.status = "running"
+        self.m.epoch.set(self.cursor.epoch)
+        return sent
+
+    def _next_item(self) -> Item | None:
+        n = len(self.source.train)
+        if self.cursor.position >= n:
+            if self.s.max_epochs is not None and self.cursor.epoch + 1 >= self.s.max_epochs:
+                return None
+            self.cursor.epoch += 1
+            self.cursor.position = 0
+        if self._order is None or self._order[0] != self.cursor.epoch:
+            order = list(range(n))
+            random.Random(self.cursor.seed * 1_000_003 + self.cursor.epoch).shuffle(order)
+            self._order = (self.cursor.epoch, order)
+        item = self.source.train[self._order[1][self.cursor.position]]
+        self.cursor.position += 1
+        return item
+
+    # ------------------------------------------------------------------ accept
+
+    def accept(self, d: Delivery[ScoredGroup]) -> None:
+        g = d.message
+        if g.group_id in self.published or any(c.message.group_id == g.group_id for c in self.carry):
+            self._drop(d, "duplicate")
+            return
+        self.m.received.inc()
+        self.m.pass_rate.observe(pass_rate(g))
+        version = self.policy_version()
+        if is_stale(g, version, self.s.max_staleness):
+            self._drop(d, "stale")
+            return
+        verdict = "keep"
+        if self.s.dynamic_sampling:
+            verdict = filter_group(g, continuous=self.s.continuous_rewards, std_threshold=self.s.reward_std_threshold)
+        self.recent.append(verdict == "keep")
+        self.m.keep_ratio.set(sum(self.recent) / len(self.recent))
+        if verdict != "keep":
+            self._drop(d, verdict)
+            self._watch_degenerate(verdict)
+            return
+        self.filtered_streak = 0
+        self.m.kept.inc()
+        self.m.version_lag.observe(version_lag(g, version))
+        self.carry.append(d)
+
+    def purge_stale(self) -> None:
+        """The learner may have moved on while groups waited in the carry: check them again."""
+        version = self.policy_version()
+        stale = [d for d in self.carry if is_stale(d.message, version, self.s.max_staleness)]
+        if stale:
+            gone = {d.entry_id for d in stale}
+            self.carry = [d for d in self.carry if d.entry_id not in gone]
+            for d in stale:
+                self._drop(d, "stale")
+
+    def _drop(self, d: Delivery[ScoredGroup], reason: str) -> None:
+        self.consumer.ack(d.entry_id)
+        self.m.filtered.labels(reason).inc()
+
+    def _watch_degenerate(self, reason: str) -> None:
+        """Never crash on a degenerate pass rate: say so, and pause dispatch if a cap is set."""
+        self.filtered_streak += 1
+        if len(self.recent) == self.recent.maxlen and not any(self.recent) and self.filtered_streak % 256 == 0:
+            log.warning("no group kept in the last %d (latest: %s): the tasks are too easy or too hard "
+                        "for the model; dispatch continues", len(self.recent), reason)  # fmt: skip
+        cap = self.s.degenerate_cap
+        if cap is not None and self.filtered_streak >= cap and not self.paused_until:
+            self.paused_until = time.monotonic() + self.s.degenerate_pause_s
+            self.status = (f"paused {self.s.degenerate_pause_s:g} s: {self.filtered_streak} groups in a row "
+                           f"filtered (latest: {reason})")  # fmt: skip
+            self.m.paused.set(1)
+            log.warning("dispatch %s", self.status)
+            self.filtered_streak = 0
+
+    # ------------------------------------------------------------------ assemble
+
+    def publish_batch(self) -> TrainBatch:
+        take, self.carry = self.carry[: self.s.batch_size], self.carry[self.s.batch_size :]
+        with redis_errors(self.client):
+            batch_id = int(self.client.incr(KEY_BATCH_ID)) - 1  # a crash before publishing leaves a gap only
+        batch = TrainBatch.assemble(batch_id, [d.message for d in take])
+        self.consumer.ack_and_publish([d.entry_id for d in take], [(STREAM_BATCHES, batch)])
+        for d in take:
+            self.published[d.message.group_id] = None
+        while len(self.published) > 100_000:
+            self.published.popitem(last=False)
+        now = time.monotonic()
+        self.m.fill_seconds.observe(now - self.last_batch_at)
+        self.last_batch_at = now
+        self.m.batches.inc()
+        for name in (STREAM_PROMPTS, STREAM_ROLLOUTS, STREAM_BATCHES):
+            self.m.stream_depth.labels(name).set(stream_stats(self.client, name).length)
+        log.info("batch %d: %d groups, versions %d..%d", batch_id, len(take), batch.min_version, batch.max_version)
+        return batch

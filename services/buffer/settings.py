@@ -1,0 +1,50 @@
+"""Settings of the buffer (env DAPO_*, or --flags)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from services.common.settings import RedisSettings, ServiceSettings
+
+
+class BufferSettings(ServiceSettings, RedisSettings):
+    port: int = Field(8003, ge=0, le=65535, description="HTTP port (health, metrics).")
+    run_dir: Path = Field(Path(".dapo/buffer"), description="Where the evaluation split is written.")
+    dataset: str = Field(
+        "reasoning_gym:chain_sum",
+        description="reasoning_gym:<task>[=weight,...] or file:<path.parquet|.jsonl> (verl / DAPO-Math-17k schema).",
+    )
+    dataset_size: int = Field(10_000, ge=1, description="reasoning-gym: items generated for training.")
+    dataset_seed: int = Field(42, description="reasoning-gym: generator seed.")
+    dataset_config: dict[str, dict[str, Any]] = Field(
+        default_factory=lambda: {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}},
+        description='reasoning-gym keyword arguments per task, JSON: {"chain_sum": {"max_terms": 2}}.',
+    )
+    prompt_template: Literal["dapo", "short", "none"] = Field(
+        "short", description="dapo: DAPO-Math-17k instruction; short: question + Answer: hint; none: as is."
+    )
+    file_verifier: str | None = Field(None, description="Verifier for file datasets (default dapo_math).")
+    eval_size: int = Field(200, ge=0, description="Held-out prompts, never dispatched for training.")
+    shuffle_seed: int = Field(0, description="Seed of the per-epoch shuffle.")
+    max_epochs: int | None = Field(None, ge=1, description="Stop dispatching after this many epochs.")
+    n_samples: int = Field(8, ge=1, le=1024, description="G: samples per prompt (DAPO: 16).")
+    batch_size: int = Field(8, ge=1, description="B: groups per TrainBatch (DAPO: 512).")
+    max_staleness: int = Field(1, ge=0, description="Drop groups more than this many versions old.")
+    dynamic_sampling: bool = Field(True, description="Keep only groups whose accuracy varies (DAPO).")
+    continuous_rewards: bool = Field(False, description="Filter on reward std instead of accuracy.")
+    reward_std_threshold: float = Field(0.0, ge=0, description="With continuous rewards: keep if std > this.")
+    degenerate_cap: int | None = Field(
+        None, ge=1, description="Pause dispatch after this many filtered groups in a row (unset: never)."
+    )
+    degenerate_pause_s: float = Field(30.0, gt=0, description="How long a degenerate pause lasts.")
+    consumer_name: str = Field("buffer-0", description="Consumer name in the rollouts stream's group.")
+    claim_idle_ms: int = Field(60_000, ge=0, description="Reclaim groups another buffer left idle this long.")
+
+    @field_validator("dataset_config", mode="before")
+    @classmethod
+    def _json(cls, v: Any) -> Any:
+        return json.loads(v) if isinstance(v, str) else v

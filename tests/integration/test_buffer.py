@@ -1,0 +1,230 @@
+"""The buffer against a real Redis: a test "rollout" serves its prompts with chosen correctness."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from services.buffer.datasets import load_source
+from services.buffer.metrics import BufferMetrics
+from services.buffer.service import KEY_CURSOR, Buffer
+from services.buffer.settings import BufferSettings
+from services.common.launch import ROOT
+from services.common.redis_server import EmbeddedRedis, free_port
+from services.common.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
+from services.common.streams import (
+    KEY_POLICY_VERSION,
+    STREAM_BATCHES,
+    STREAM_PROMPTS,
+    STREAM_ROLLOUTS,
+    StreamConsumer,
+    StreamProducer,
+    connect,
+    decode,
+)
+
+CFG = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}
+SOURCE = load_source("reasoning_gym:chain_sum", size=300, seed=3, eval_size=5, config=CFG)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(tmp_path / "redis") as s:  # a Redis of its own: the stream names are global
+        yield s
+
+
+@pytest.fixture
+def client(server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    c = connect(server.url)
+    yield c
+    c.close()
+
+
+def settings(**kw: object) -> BufferSettings:
+    base = {"batch_size": 4, "n_samples": 4, "max_staleness": 1, "dataset_size": 300, "eval_size": 5}
+    return BufferSettings(**(base | kw))  # type: ignore[arg-type]
+
+
+def make_buffer(client: redis.Redis, **kw: object) -> Buffer:
+    return Buffer(settings(**kw), client, SOURCE, BufferMetrics(CollectorRegistry()))
+
+
+class Rollout:
+    """Answers prompts like a rollout server would; `accs(task, i)` decides each sample's correctness."""
+
+    def __init__(self, client: redis.Redis, accs: Callable[[PromptTask, int], list[bool]], version: int = 0):
+        self.consumer = StreamConsumer(client, STREAM_PROMPTS, "rollout", "fake", PromptTask)
+        self.out = StreamProducer(client, STREAM_ROLLOUTS)
+        self.accs, self.version, self.served = accs, version, 0
+        self.groups: list[ScoredGroup] = []
+
+    def serve(self, limit: int = 10**9) -> int:
+        n = 0
+        for d in self.consumer.read(count=min(limit, 64), block_ms=50):
+            t = d.message
+            accs = self.accs(t, self.served)
+            samples = [Sample(response_token_ids=[5, 6], response_text="x", logprobs=[-0.1, -0.2],
+                              finish_reason="stop", policy_version=self.version) for _ in accs]  # fmt: skip
+            scores = [Score(reward=1.0 if a else -1.0, acc=a) for a in accs]
+            g = ScoredGroup(task=t, samples=samples, scores=scores, replica_id="fake")
+            self.out.publish(g)
+            self.consumer.ack(d.entry_id)
+            self.groups.append(g)
+            self.served += 1
+            n += 1
+        return n
+
+
+def mixed(task: PromptTask, i: int) -> list[bool]:
+    return [True, False] * (task.n_samples // 2)
+
+
+def batches(client: redis.Redis) -> list[TrainBatch]:
+    return [decode(f, TrainBatch) for _, f in client.xrange(STREAM_BATCHES)]
+
+
+def filtered(buffer: Buffer, reason: str) -> float:
+    return buffer.m.filtered.labels(reason)._value.get()
+
+
+def test_exact_batches_increasing_ids_and_surplus_carried(client: redis.Redis) -> None:
+    buffer, rollout = make_buffer(client), Rollout(client, mixed)
+    for _ in range(40):
+        buffer.step(block_ms=20)
+        rollout.serve(limit=3)  # groups arrive in uneven bunches
+    buffer.step(block_ms=20)  # read what the rollout sent last
+    got = batches(client)
+    assert len(got) >= 5
+    assert [b.batch_id for b in got] == list(range(len(got)))
+    assert all(len(b.groups) == 4 for b in got)
+    ids = [g.group_id for b in got for g in b.groups]
+    assert len(ids) == len(set(ids))  # no group in two batches
+    carried = [d.message.group_id for d in buffer.carry]
+    assert set(ids) | set(carried) == {g.group_id for g in rollout.groups}  # every kept group: batched or carried
+    assert client.xpending(STREAM_ROLLOUTS, "buffer")["pending"] == len(carried) < 4  # only the carry is unacked
+
+
+def test_filtered_and_stale_groups_are_dropped_and_counted(client: redis.Redis) -> None:
+    patterns = [[True] * 4, [False] * 4, [True, False, True, True]]
+    buffer = make_buffer(client)
+    rollout = Rollout(client, lambda t, i: patterns[i % 3])
+    for _ in range(20):
+        buffer.step(block_ms=20)
+        rollout.serve()
+    assert filtered(buffer, "all_correct") >= 5 and filtered(buffer, "all_wrong") >= 5
+    assert all(sum(s.acc for s in g.scores) == 3 for b in batches(client) for g in b.groups)
+
+    client.set(KEY_POLICY_VERSION, 5)  # the learner moved on: version-3 samples are 2 behind (> 1)
+    stale, fresh = Rollout(client, mixed, version=3), None
+    before = filtered(buffer, "stale")
+    for _ in range(5):
+        buffer.step(block_ms=20)
+        stale.serve(limit=4)
+    assert filtered(buffer, "stale") - before >= 4
+    fresh = Rollout(client, mixed, version=4)
+    n_before = len(batches(client))
+    for _ in range(10):
+        buffer.step(block_ms=20)
+        fresh.serve(limit=4)
+    new = batches(client)[n_before:]
+    assert new and all(g.min_version == 4 for b in new for g in b.groups)
+
+
+def test_degenerate_pass_rate_does_not_crash_and_the_cap_pauses_dispatch(client: redis.Redis) -> None:
+    buffer = make_buffer(client, degenerate_cap=6, degenerate_pause_s=60)
+    rollout = Rollout(client, lambda t, i: [True] * t.n_samples)  # far too easy: everything correct
+    for _ in range(10):
+        buffer.step(block_ms=20)
+        rollout.serve()
+    assert batches(client) == []
+    assert filtered(buffer, "all_correct") >= 6
+    assert buffer.status.startswith("paused 60 s: 6 groups in a row filtered (latest: all_correct)")
+    assert buffer.m.paused._value.get() == 1
+    dispatched = client.xlen(STREAM_PROMPTS)
+    for _ in range(3):
+        buffer.step(block_ms=20)
+        rollout.serve()
+    assert client.xlen(STREAM_PROMPTS) == dispatched  # paused: nothing more dispatched
+
+
+def test_dispatch_stays_within_the_staleness_budget(client: redis.Redis) -> None:
+    buffer = make_buffer(client, max_staleness=2)
+    for _ in range(4):
+        buffer.step(block_ms=10)  # nobody serves the prompts
+    assert client.xlen(STREAM_PROMPTS) == (2 + 1) * 4
+    Rollout(client, mixed).serve(limit=5)  # 5 groups come back: 4 make a batch, 1 waits
+    for _ in range(3):
+        buffer.step(block_ms=10)
+    assert client.xlen(STREAM_PROMPTS) == 12 + 4  # only the 4 batched ones freed room
+
+
+def test_cursor_survives_a_restart(client: redis.Redis, tmp_path: Path) -> None:
+    first = make_buffer(client)
+    first.dispatch()
+    second = make_buffer(client)  # a new process would start like this
+    assert second.cursor == first.cursor
+    Rollout(client, mixed).serve()
+    second.step(block_ms=10)
+    dispatched = [decode(f, PromptTask).prompt_id for _, f in client.xrange(STREAM_PROMPTS)]
+    with EmbeddedRedis(tmp_path / "ref") as ref_server:
+        ref = make_buffer(connect(ref_server.url))
+        expected = [ref._next_item().prompt_id for _ in range(len(dispatched))]  # type: ignore[union-attr]
+    assert dispatched == expected  # neither repeated nor skipped
+    assert client.get(KEY_CURSOR) is not None
+
+
+@pytest.mark.slow
+def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
+    client: redis.Redis, server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    url = server.url
+
+    def start() -> subprocess.Popen[bytes]:
+        args = ["--redis-url", url, "--port", str(free_port()), "--batch-size", "4", "--n-samples", "4",
+                "--max-staleness", "1", "--dataset-size", "300", "--eval-size", "5", "--dataset-seed", "3",
+                "--run-dir", str(tmp_path / "run")]  # fmt: skip
+        env = os.environ | {"PYTHONPATH": str(ROOT)}
+        return subprocess.Popen([sys.executable, "-m", "services.buffer", *args], env=env, cwd=ROOT)
+
+    def serve_until(rollout: Rollout, n: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while rollout.served < n:
+            assert time.monotonic() < deadline, "buffer did not dispatch enough prompts"
+            rollout.serve(limit=n - rollout.served)
+
+    rollout = Rollout(client, mixed)
+    proc = start()
+    try:
+        serve_until(rollout, 10)  # 10 kept groups: 2 batches published, 2 groups in the carry
+        deadline = time.monotonic() + 60
+        while not (client.xlen(STREAM_BATCHES) == 2 and client.xpending(STREAM_ROLLOUTS, "buffer")["pending"] == 2):
+            assert time.monotonic() < deadline, "buffer did not assemble the first two batches"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    proc = start()
+    try:
+        serve_until(rollout, 16)
+        deadline = time.monotonic() + 60
+        while client.xlen(STREAM_BATCHES) < 4:
+            assert time.monotonic() < deadline, "buffer did not finish the batches after the restart"
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    got = batches(client)
+    assert [b.batch_id for b in got] == [0, 1, 2, 3]
+    in_batches = [g.group_id for b in got for g in b.groups]
+    assert sorted(in_batches) == sorted(g.group_id for g in rollout.groups)  # all 16, each exactly once
+    prompt_ids = [decode(f, PromptTask).prompt_id for _, f in client.xrange(STREAM_PROMPTS)]
+    assert len(prompt_ids) == len(set(prompt_ids))  # the cursor continued: no prompt dispatched twice
