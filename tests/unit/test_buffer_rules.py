@@ -78,8 +78,9 @@ def test_mix_of_tasks() -> None:
 
 def verl_rows(n: int) -> list[dict]:
     return [
-        {"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "ability": "MATH",
-         "reward_model": {"ground_truth": str(2 * i), "style": "rule-lighteval/MATH_v2"}, "extra_info": {"index": f"q{i}"}}
+        {"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+         "ability": "MATH", "reward_model": {"ground_truth": str(2 * i), "style": "rule-lighteval/MATH_v2"},
+         "extra_info": {"index": f"q{i}"}}
         for i in range(n)
     ]  # fmt: skip
 
