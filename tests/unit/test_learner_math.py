@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -10,7 +11,14 @@ import torch
 from learner.advantages import group_advantages
 from learner.loss import entropy, policy_loss, token_logprobs, token_logprobs_and_entropy
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def float64() -> Iterator[None]:
+    """These references compare to 1e-6 and tighter: compute in float64, for this module only."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 # ----------------------------------------------------------------------------- advantages
