@@ -9,23 +9,53 @@ from __future__ import annotations
 import random
 import uuid
 from pathlib import Path
+from typing import Any
 
 from services.common.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
 
 VOCAB = 256
 
 
-def tiny_llama(path: Path, *, layers: int = 2, hidden: int = 64, vocab: int = VOCAB, seed: int = 0) -> Path:
+def tiny_tokenizer() -> Any:
+    """A byte-level tokenizer: 256 tokens, one per byte, no merges; any text round-trips. With a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=alphabet[1], pad_token=alphabet[0])
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return fast
+
+
+def tiny_llama(
+    path: Path,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    vocab: int = VOCAB,
+    seed: int = 0,
+    tokenizer: bool = False,
+) -> Path:
+    """A random LlamaForCausalLM saved to `path` (with the byte-level tokenizer when `tokenizer`, vocab 256)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=512, pad_token_id=0,
         eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(path)
+    if tokenizer:
+        tiny_tokenizer().save_pretrained(path)
     return path
 
 

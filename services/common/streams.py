@@ -45,6 +45,7 @@ KEY_POLICY_VERSION = "dapo:policy_version"  # the learner's current version, an 
 GROUP_ROLLOUT = "rollout"  # rollout servers, on the prompts stream
 GROUP_BUFFER = "buffer"  # the buffer, on the rollouts stream
 GROUP_LEARNER = "learner"  # the learner, on the batches stream
+REPLICA_KEY_PREFIX = "dapo:replica:"  # + replica id: a packed ReplicaHeartbeat with a TTL
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 M = TypeVar("M", bound=Message)
@@ -94,9 +95,18 @@ class DecodeError(ValueError):
 # --------------------------------------------------------------------------- codec
 
 
+def pack(msg: Message) -> bytes:
+    """A message's msgpack body (for keys such as replica heartbeats)."""
+    return msgpack.packb(msg.model_dump(mode="python"))  # type: ignore[no-any-return]
+
+
+def unpack(data: bytes, model: type[M]) -> M:
+    return decode({b"type": model.__name__.encode(), b"data": data}, model)
+
+
 def encode(msg: Message) -> dict[bytes, bytes]:
     """A message as stream-entry fields: its type name and its msgpack body."""
-    return {b"type": type(msg).__name__.encode(), b"data": msgpack.packb(msg.model_dump(mode="python"))}
+    return {b"type": type(msg).__name__.encode(), b"data": pack(msg)}
 
 
 def decode(fields: dict[bytes, bytes], model: type[M], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> M:

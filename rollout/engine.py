@@ -1,0 +1,130 @@
+"""Generation engines: G samples per prompt, with the behaviour log-prob of every sampled token.
+
+    engine = load_engine(settings)                      # VllmEngine (default) or HFEngine
+    outs = engine.generate([[1, 2, 3]], n=4, params)    # outs[prompt][sample] -> Completion
+    engine.load_weights(hf_dir, version=7)              # weight sync (the weight-sync part calls this)
+
+Behaviour log-probs are those of the model's own distribution (temperature 1, no top-p), which is
+what the learner recomputes; with DAPO's temperature 1.0 and top-p 1.0 that is the sampling
+distribution itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+log = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+class Engine(Protocol):
+    version: int  # policy version of the weights it holds
+    tokenizer: Any
+
+    def generate(self, prompts: list[list[int]], n: int | list[int], params: SamplingParams) -> list[list[Completion]]:
+        """`n` samples for each prompt (one count for all, or one per prompt)."""
+        ...
+
+    def load_weights(self, hf_dir: Path, version: int) -> None: ...
+
+
+def encode_prompt(tokenizer: Any, text: str, chat_template: bool = True) -> list[int]:
+    """The prompt's token ids, in the model's chat template when it has one."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def counts(prompts: list[list[int]], n: int | list[int]) -> list[int]:
+    return [n] * len(prompts) if isinstance(n, int) else list(n)
+
+
+class HFEngine:
+    """transformers `generate`: for machines without vLLM and for fast tests."""
+
+    def __init__(self, model_dir: Path, *, threads: int | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.version = 0
+        cfg = self.model.generation_config
+        self.eos = {cfg.eos_token_id} if isinstance(cfg.eos_token_id, int) else set(cfg.eos_token_id or [])
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def generate(self, prompts: list[list[int]], n: int | list[int], params: SamplingParams) -> list[list[Completion]]:
+        import torch
+
+        out: list[list[Completion]] = []
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        for prompt, k in zip(prompts, counts(prompts, n), strict=True):
+            if gen is not None:
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+            ids = torch.tensor([prompt] * k, dtype=torch.long)
+            with torch.no_grad():
+                res = self.model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=params.temperature > 0,
+                    temperature=params.temperature or None, top_p=params.top_p, top_k=0,
+                    max_new_tokens=params.max_tokens, output_logits=True, return_dict_in_generate=True,
+                    pad_token_id=self.pad,
+                )  # fmt: skip
+            # raw logits -> the model's own log-probs of the sampled tokens
+            logp = torch.stack(res.logits, dim=1).float().log_softmax(-1)  # [k, steps, V]
+            new = res.sequences[:, len(prompt) :]
+            picked = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            out.append([self._completion(new[j].tolist(), picked[j].tolist(), params.max_tokens) for j in range(k)])
+        return out
+
+    def _completion(self, tokens: list[int], logps: list[float], max_tokens: int) -> Completion:
+        end = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), None)
+        if end is not None:
+            tokens, logps, reason = tokens[:end], logps[:end], "stop"
+        else:
+            reason = "length" if len(tokens) >= max_tokens else "stop"
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return Completion(tokens, text, logps, reason)  # type: ignore[arg-type]
+
+    def load_weights(self, hf_dir: Path, version: int) -> None:
+        from safetensors.torch import load_file
+
+        state: dict[str, Any] = {}
+        for f in sorted(Path(hf_dir).glob("*.safetensors")):
+            state.update(load_file(f))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+            raise ValueError(f"weights in {hf_dir} do not fit the model: missing {missing}, unexpected {unexpected}")
+        self.model.tie_weights()
+        self.version = version
+
+
+def load_engine(model_dir: Path, kind: str, **vllm_kw: Any) -> Engine:
+    if kind == "hf":
+        return HFEngine(model_dir)
+    from rollout.vllm_engine import VllmEngine
+
+    return VllmEngine(model_dir, **vllm_kw)

@@ -1,0 +1,23 @@
+"""Prometheus metrics of a rollout replica (dapo_rollout_*)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class RolloutMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = r = registry
+        buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+        self.tokens = Counter("dapo_rollout_generated_tokens", "Response tokens generated.", registry=r)
+        self.samples = Counter("dapo_rollout_samples", "Samples generated.", registry=r)
+        self.truncated = Counter("dapo_rollout_truncated_samples", "Samples cut at max tokens.", registry=r)
+        self.tokens_per_second = Gauge("dapo_rollout_tokens_per_second", "Generation speed, last batch.", registry=r)
+        self.batch_seconds = Histogram(
+            "dapo_rollout_batch_seconds", "Engine call latency.", registry=r, buckets=buckets
+        )
+        self.reward_seconds = Histogram("dapo_rollout_reward_seconds", "Scoring request latency.", registry=r,
+                                        buckets=buckets)  # fmt: skip
+        self.reward_failures = Counter("dapo_rollout_reward_failures", "Batches left pending: reward down.", registry=r)
+        self.groups = Counter("dapo_rollout_groups_published", "Scored groups published.", registry=r)
+        self.version = Gauge("dapo_rollout_weight_version", "Policy version of the weights held.", registry=r)

@@ -1,0 +1,56 @@
+"""Client of the reward server: one POST /v1/score per engine batch, bounded retries with backoff."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from services.common.schemas import ScoreItem, ScoreRequest, ScoreResponse, ScoreResult
+
+log = logging.getLogger(__name__)
+
+
+class RewardUnavailable(RuntimeError):
+    """The reward server did not answer after the retries: leave the prompts pending."""
+
+
+def _retryable(e: BaseException) -> bool:
+    if isinstance(e, httpx.TransportError):
+        return True
+    return isinstance(e, httpx.HTTPStatusError) and e.response.status_code in (429, 502, 503, 504)
+
+
+class RewardClient:
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 60.0, retries: int = 5):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
+        self.retries = retries
+
+    def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        call = retry(
+            retry=retry_if_exception(_retryable), stop=stop_after_attempt(self.retries + 1),
+            wait=wait_exponential_jitter(initial=0.2, max=5.0), reraise=True,
+        )(self._post)  # fmt: skip
+        try:
+            results = call(items)
+        except (httpx.TransportError, httpx.HTTPStatusError) as e:
+            raise RewardUnavailable(
+                f"reward server at {self.http.base_url} failed after {self.retries} retries: {e}"
+            ) from e
+        if [r.id for r in results] != [it.id for it in items]:
+            raise RewardUnavailable("reward server answered for other items than it was asked about")
+        return results
+
+    def _post(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        r = self.http.post("/v1/score", content=ScoreRequest(items=items).model_dump_json(),
+                           headers={"content-type": "application/json"})  # fmt: skip
+        if r.status_code >= 400 and r.status_code not in (429, 502, 503, 504):
+            # a 4xx is our bug, not the server's state: retrying will not help, and the prompt must not be lost
+            raise RewardUnavailable(f"reward server refused the request ({r.status_code}): {r.text[:500]}")
+        r.raise_for_status()
+        return ScoreResponse.model_validate_json(r.content).results
+
+    def close(self) -> None:
+        self.http.close()

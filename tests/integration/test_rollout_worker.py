@@ -1,0 +1,129 @@
+"""Rollout replicas as processes, against real Redis and a real reward server (HF engine, tiny model)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from learner.tiny import tiny_llama
+from services.common.launch import ROOT, running
+from services.common.redis_server import EmbeddedRedis, free_port
+from services.common.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup
+from services.common.streams import (
+    REPLICA_KEY_PREFIX,
+    STREAM_PROMPTS,
+    STREAM_ROLLOUTS,
+    StreamProducer,
+    connect,
+    decode,
+    ensure_group,
+    unpack,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "m", hidden=64, tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def reward_url() -> Iterator[str]:
+    with running("reward_server", "--workers", "1", ready_path="/readyz") as (base, _):
+        yield base
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(tmp_path / "redis") as s:
+        yield s
+
+
+def tasks(n: int, g: int = 3) -> list[PromptTask]:
+    # dapo_math with ground truth "[INVALID]": a response without an Answer: line scores +1, otherwise -1
+    return [PromptTask(task_id=f"t{i}", prompt_id=f"p{i}", prompt=f"Say something about {i}.",
+                       ground_truth="[INVALID]", verifier="dapo_math", data_source="test", n_samples=g)
+            for i in range(n)]  # fmt: skip
+
+
+def start(model_dir: Path, url: str, reward: str, name: str, *extra: str) -> subprocess.Popen[bytes]:
+    args = ["--engine", "hf", "--model-dir", str(model_dir), "--redis-url", url, "--reward-url", reward,
+            "--port", str(free_port()), "--replica-id", name, "--max-response-tokens", "16",
+            "--prompts-per-call", "2", *extra]  # fmt: skip
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "rollout", *args], env=env, cwd=ROOT)
+
+
+def groups(client: redis.Redis) -> list[ScoredGroup]:
+    return [decode(f, ScoredGroup) for _, f in client.xrange(STREAM_ROLLOUTS)]
+
+
+def wait_groups(client: redis.Redis, n: int, timeout_s: float = 180) -> list[ScoredGroup]:
+    deadline = time.monotonic() + timeout_s
+    while len(got := groups(client)) < n:
+        assert time.monotonic() < deadline, f"only {len(got)} of {n} groups after {timeout_s} s"
+        time.sleep(0.2)
+    return got
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(60)
+
+
+def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: EmbeddedRedis) -> None:
+    client = connect(server.url)
+    StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(4))
+    proc = start(model_dir, server.url, reward_url, "r0")
+    try:
+        got = wait_groups(client, 4)
+        hb = unpack(client.get(REPLICA_KEY_PREFIX + "r0"), ReplicaHeartbeat)
+        assert hb.replica_id == "r0" and hb.state == "ready" and hb.weight_version == 0
+        assert client.pttl(REPLICA_KEY_PREFIX + "r0") > 0
+    finally:
+        stop(proc)
+    assert sorted(g.task.task_id for g in got) == ["t0", "t1", "t2", "t3"]
+    for g in got:
+        assert len(g.samples) == 3 and g.replica_id == "r0"
+        assert all(s.policy_version == 0 and len(s.logprobs) == len(s.response_token_ids) for s in g.samples)
+        assert g.task.prompt_token_ids is not None  # the exact tokens the learner must train on
+        for s, sc in zip(g.samples, g.scores, strict=True):
+            assert sc.acc == ("answer" not in s.response_text[-300:].lower())  # the reward server's verdict
+            assert sc.reward == (1.0 if sc.acc else -1.0) + sc.overlong_penalty
+            # L_max 16 (sent per item) with the reward server's L_cache capped at it: the penalty is -L/16
+            assert sc.overlong_penalty == pytest.approx(-len(s.response_token_ids) / 16)
+    assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0
+    assert client.get(REPLICA_KEY_PREFIX + "r0") is None  # a clean stop removes the heartbeat
+
+
+@pytest.mark.slow
+def test_two_replicas_share_and_a_killed_one_loses_nothing(model_dir: Path, reward_url: str,
+                                                           server: EmbeddedRedis) -> None:  # fmt: skip
+    client = connect(server.url)
+    ensure_group(client, STREAM_PROMPTS, "rollout")
+    StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(16))
+    a = start(model_dir, server.url, reward_url, "a", "--claim-idle-ms", "3000")
+    b = start(model_dir, server.url, reward_url, "b", "--claim-idle-ms", "3000")
+    try:
+        deadline = time.monotonic() + 180
+        while client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0 or len(groups(client)) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        a.send_signal(signal.SIGKILL)  # mid-batch: it holds prompts it has not finished
+        a.wait(30)
+        got = wait_groups(client, 16)
+    finally:
+        stop(b)
+    ids = [g.task.task_id for g in got]
+    assert sorted(ids) == sorted(f"t{i}" for i in range(16))  # none lost, none twice
+    assert {g.replica_id for g in got} == {"a", "b"}
+    assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0
