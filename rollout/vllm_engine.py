@@ -51,7 +51,10 @@ class VllmEngine:
         result: list[list[Completion]] = [[] for _ in prompts]
         for owner, out in zip(owners, outputs, strict=True):
             c = out.outputs[0]
-            logps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or [], strict=True)]
+            steps = c.logprobs or []
+            if len(steps) != len(c.token_ids) or any(step is None for step in steps):
+                raise RuntimeError("vLLM returned no log-prob for some sampled token (logprobs=0 was requested)")
+            logps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, steps, strict=True)]  # type: ignore[index]
             reason = "length" if c.finish_reason == "length" else "abort" if c.finish_reason == "abort" else "stop"
             result[owner].append(Completion(list(c.token_ids), c.text, logps, reason))  # type: ignore[arg-type]
         return result
