@@ -26,7 +26,7 @@ from learner.settings import LearnerSettings
 from learner.trainer import Trainer
 from services.common.schemas import TrainBatch
 from services.common.stream_admin import stream_stats
-from services.common.streams import GROUP_LEARNER, KEY_POLICY_VERSION, STREAM_BATCHES, StreamConsumer, connect
+from services.common.streams import GROUP_LEARNER, KEY_POLICY_VERSION, STREAM_BATCHES, StreamConsumer, connect_from
 from services.common.web import create_app, serve_in_thread
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,7 @@ Publisher = Callable[[int, Trainer], None]  # (new version, trainer): the weight
 
 def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | None = None) -> LearnerState:
     s = settings
-    client = connect(
-        s.require_redis_url(), password=s.redis_password.get_secret_value() if s.redis_password else None,
-        timeout_s=s.redis_timeout_s, retries=s.redis_retries,
-    )  # fmt: skip
+    client = connect_from(s)
     registry = CollectorRegistry()
     metrics = LearnerMetrics(registry)
     holder: dict[str, Trainer] = {}

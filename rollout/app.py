@@ -12,7 +12,7 @@ from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient
 from rollout.settings import RolloutSettings
 from rollout.worker import Worker
-from services.common.streams import connect
+from services.common.streams import connect_from
 from services.common.web import create_app, serve_in_thread
 
 log = logging.getLogger(__name__)
@@ -20,10 +20,7 @@ log = logging.getLogger(__name__)
 
 def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
     s = settings
-    client = connect(
-        s.require_redis_url(), password=s.redis_password.get_secret_value() if s.redis_password else None,
-        timeout_s=s.redis_timeout_s, retries=s.redis_retries,
-    )  # fmt: skip
+    client = connect_from(s)
     registry = CollectorRegistry()
     metrics = RolloutMetrics(registry)
     holder: dict[str, Worker] = {}

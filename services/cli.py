@@ -10,6 +10,7 @@ dapo-mesh learner ...     # the learner (python -m learner)
 
 from __future__ import annotations
 
+import importlib
 import logging
 import signal
 import threading
@@ -73,36 +74,24 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
     console.print(table)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def reward(ctx: typer.Context) -> None:
-    """Run the reward server (same flags as `python -m reward_server --help`)."""
-    from reward_server.__main__ import main
+def _passthrough(name: str, module: str, what: str) -> None:
+    """`dapo-mesh <name> ARGS` runs `python -m <module> ARGS`: the service parses its own flags."""
 
-    main(ctx.args)
+    def command(ctx: typer.Context) -> None:
+        importlib.import_module(f"{module}.__main__").main(ctx.args)
 
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def learner(ctx: typer.Context) -> None:
-    """Run the learner (same flags as `python -m learner --help`)."""
-    from learner.__main__ import main
-
-    main(ctx.args)
+    command.__doc__ = f"Run {what} (same flags as `python -m {module} --help`)."
+    passthrough = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+    app.command(name, context_settings=passthrough)(command)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def buffer(ctx: typer.Context) -> None:
-    """Run the buffer (same flags as `python -m services.buffer --help`)."""
-    from services.buffer.__main__ import main
-
-    main(ctx.args)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def rollout(ctx: typer.Context) -> None:
-    """Run a rollout replica (same flags as `python -m rollout --help`)."""
-    from rollout.__main__ import main
-
-    main(ctx.args)
+for _name, _module, _what in (
+    ("reward", "reward_server", "the reward server"),
+    ("learner", "learner", "the learner"),
+    ("buffer", "services.buffer", "the buffer"),
+    ("rollout", "rollout", "a rollout replica"),
+):
+    _passthrough(_name, _module, _what)
 
 
 @app.command("prepare-model")

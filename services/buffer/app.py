@@ -15,7 +15,7 @@ from services.buffer.datasets import load_source
 from services.buffer.metrics import BufferMetrics
 from services.buffer.service import Buffer
 from services.buffer.settings import BufferSettings
-from services.common.streams import connect
+from services.common.streams import connect_from
 from services.common.web import create_app, serve_in_thread
 
 log = logging.getLogger(__name__)
@@ -23,10 +23,7 @@ log = logging.getLogger(__name__)
 
 def run(settings: BufferSettings, stop: threading.Event) -> Buffer:
     s = settings
-    client = connect(
-        s.require_redis_url(), password=s.redis_password.get_secret_value() if s.redis_password else None,
-        timeout_s=s.redis_timeout_s, retries=s.redis_retries,
-    )  # fmt: skip
+    client = connect_from(s)
     registry = CollectorRegistry()
     holder: dict[str, Buffer] = {}
 

@@ -34,6 +34,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from services.common.schemas import SCHEMA_VERSION, Message
+from services.common.settings import RedisSettings
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,15 @@ def connect(url: str, *, password: str | None = None, timeout_s: float = 10.0, r
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=30,
     )
+
+
+def connect_from(settings: RedisSettings) -> redis.Redis:
+    """The client a service's settings describe (URL, password, timeout, retries)."""
+    password = settings.redis_password.get_secret_value() if settings.redis_password else None
+    return connect(
+        settings.require_redis_url(), password=password, timeout_s=settings.redis_timeout_s,
+        retries=settings.redis_retries,
+    )  # fmt: skip
 
 
 def _where(client: redis.Redis) -> str:
