@@ -25,7 +25,7 @@ from learner.metrics import LearnerMetrics
 from learner.settings import LearnerSettings
 from learner.trainer import Trainer
 from services.common.schemas import TrainBatch
-from services.common.stream_admin import stream_stats
+from services.common.stream_admin import safe_trim, stream_stats
 from services.common.streams import GROUP_LEARNER, KEY_POLICY_VERSION, STREAM_BATCHES, StreamConsumer, connect_from
 from services.common.web import create_app, serve_in_thread
 
@@ -61,6 +61,7 @@ def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | N
             metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
             consumer.ack(*unacked)
             unacked.clear()
+            safe_trim(client, STREAM_BATCHES, keep_last=s.keep_batches)  # a batch is ~B x G x 4 KB
 
         with open(s.run_dir / "trained.jsonl", "a") as ledger:
             while not stop.is_set() and (s.max_batches is None or trained_now < s.max_batches):

@@ -29,7 +29,7 @@ from services.buffer.dynamic_sampling import dispatch_budget, filter_group, is_s
 from services.buffer.metrics import BufferMetrics
 from services.buffer.settings import BufferSettings
 from services.common.schemas import PromptTask, ScoredGroup, TrainBatch
-from services.common.stream_admin import stream_stats
+from services.common.stream_admin import safe_trim, stream_stats
 from services.common.streams import (
     GROUP_BUFFER,
     GROUP_LEARNER,
@@ -77,7 +77,7 @@ class Buffer:
         self.filtered_streak = 0
         self.paused_until = 0.0
         self.status = "starting"
-        self.last_batch_at = time.monotonic()
+        self.last_batch_at = self.last_trim = time.monotonic()
 
     # ------------------------------------------------------------------ the loop
 
@@ -90,6 +90,14 @@ class Buffer:
         while len(self.carry) >= self.s.batch_size:
             self.publish_batch()
         self.m.carry.set(len(self.carry))
+        if time.monotonic() - self.last_trim >= self.s.trim_every_s:
+            self.trim()
+
+    def trim(self) -> None:
+        """Bound the streams' memory: drop old entries every group has acknowledged (never others)."""
+        safe_trim(self.client, STREAM_PROMPTS, keep_last=self.s.keep_prompts)
+        safe_trim(self.client, STREAM_ROLLOUTS, keep_last=self.s.keep_rollouts)
+        self.last_trim = time.monotonic()
 
     # ------------------------------------------------------------------ dispatch
 

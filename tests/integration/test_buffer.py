@@ -228,3 +228,18 @@ def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
     assert sorted(in_batches) == sorted(g.group_id for g in rollout.groups)  # all 16, each exactly once
     prompt_ids = [decode(f, PromptTask).prompt_id for _, f in client.xrange(STREAM_PROMPTS)]
     assert len(prompt_ids) == len(set(prompt_ids))  # the cursor continued: no prompt dispatched twice
+
+
+def test_streams_are_trimmed_but_unacknowledged_entries_stay(client: redis.Redis) -> None:
+    buffer = make_buffer(client, trim_every_s=0, keep_prompts=3, keep_rollouts=2)
+    rollout = Rollout(client, mixed)
+    for _ in range(30):
+        buffer.step(block_ms=20)
+        rollout.serve(limit=3)
+    assert len(batches(client)) >= 5
+    prompts_info = client.xinfo_groups(STREAM_PROMPTS)[0]
+    assert client.xlen(STREAM_PROMPTS) <= 3 + prompts_info["pending"] + 12  # + what is not yet read (budget)
+    pending = {e["message_id"] for e in client.xpending_range(STREAM_ROLLOUTS, "buffer", "-", "+", 100)}
+    kept = {e[0] for e in client.xrange(STREAM_ROLLOUTS)}
+    assert pending <= kept  # the carry is never trimmed
+    assert len(kept) <= 2 + len(pending) + 3  # + what arrived after the last trim
