@@ -57,11 +57,13 @@ class _Worker:
 
     async def send(self, job: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
+        if self.proc.returncode is not None or self.proc.stdin.is_closing():
+            raise WorkerDied(f"worker {self.pid} is gone (exit code {self.proc.returncode})")
         try:
             self.proc.stdin.write(frame(job))
             await self.proc.stdin.drain()
-        except (BrokenPipeError, ConnectionResetError) as e:
-            raise WorkerDied(f"worker {self.pid} is gone") from e
+        except (OSError, RuntimeError) as e:  # asyncio: BrokenPipe/ConnectionReset; uvloop: RuntimeError
+            raise WorkerDied(f"worker {self.pid} is gone: {e}") from e
 
     def kill(self) -> None:
         if self.proc.returncode is None:
@@ -147,9 +149,12 @@ class VerifierPool:
             log.warning("verification over %.1f s: killing worker %d", timeout_s, w.pid)
             self._schedule_replace(w)
             raise JobTimeout from None
-        except BaseException:  # died, or the caller went away mid-job: the worker's state is unknown
+        except (WorkerDied, asyncio.CancelledError):  # died, or the caller went away mid-job
             self._schedule_replace(w)
             raise
+        except Exception as e:  # anything else leaves the worker's state unknown too
+            self._schedule_replace(w)
+            raise WorkerDied(f"worker {w.pid}: {type(e).__name__}: {e}") from e
         if reply.get("id") != job["id"]:
             self._schedule_replace(w)
             raise WorkerDied(f"worker {w.pid} answered job {reply.get('id')} for job {job['id']}")
