@@ -129,10 +129,11 @@ class Buffer:
         version = self.policy_version()
         pipe = self.client.pipeline(transaction=True)
         sent = 0
+        exhausted = False
         for _ in range(n):
             item = self._next_item()
             if item is None:
-                self.status = f"dataset exhausted after {self.s.max_epochs} epochs"
+                exhausted = True
                 break
             task = PromptTask(
                 task_id=f"{item.prompt_id}#e{self.cursor.epoch}", prompt_id=item.prompt_id, prompt=item.prompt,
@@ -146,6 +147,9 @@ class Buffer:
             with redis_errors(self.client):
                 pipe.execute()
             self.m.dispatched.inc(sent)
+        if exhausted:
+            self.status = f"dataset exhausted after {self.s.max_epochs} epochs"
+        elif sent or self.status == "starting":
             self.status = "running"
         self.m.epoch.set(self.cursor.epoch)
         return sent

@@ -243,3 +243,27 @@ def test_streams_are_trimmed_but_unacknowledged_entries_stay(client: redis.Redis
     kept = {e[0] for e in client.xrange(STREAM_ROLLOUTS)}
     assert pending <= kept  # the carry is never trimmed
     assert len(kept) <= 2 + len(pending) + 3  # + what arrived after the last trim
+
+
+def test_a_verl_parquet_file_is_dispatched(client: redis.Redis, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"Compute {i} * 3."}],
+             "reward_model": {"ground_truth": str(3 * i), "style": "rule"}, "extra_info": {"index": i}}
+            for i in range(12)]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "math.parquet")
+    s = settings(dataset=f"file:{tmp_path / 'math.parquet'}", eval_size=2, prompt_template="dapo", max_staleness=3,
+                 max_epochs=1)  # fmt: skip
+    source = load_source(s.dataset, eval_size=s.eval_size, template=s.prompt_template)
+    buffer = Buffer(s, client, source, BufferMetrics(CollectorRegistry()))
+    buffer.step(block_ms=10)
+    tasks = [decode(f, PromptTask) for _, f in client.xrange(STREAM_PROMPTS)]
+    assert len(tasks) == 10  # 12 rows, 2 held out, one epoch; the budget (3+1) x 4 = 16 is not the limit here
+    assert buffer.status == "dataset exhausted after 1 epochs"
+    held = {e.prompt_id for e in source.eval}
+    for t in tasks:
+        i = int(t.prompt_id.rsplit("/", 1)[1])
+        assert t.prompt_id not in held
+        assert (t.ground_truth, t.verifier, t.data_source, t.n_samples) == (str(3 * i), "dapo_math", "math_dapo", 4)
+        assert f"Compute {i} * 3." in t.prompt and t.prompt.startswith("Solve the following math problem")
