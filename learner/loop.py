@@ -56,8 +56,7 @@ def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | N
 
         def commit() -> None:
             t0 = time.perf_counter()
-            checkpoint.save(trainer.engine, s.run_dir, state, keep=s.keep_checkpoints, hf_export=s.hf_export,
-                            tokenizer=trainer.tokenizer)  # fmt: skip
+            checkpoint.save(trainer.engine, s.run_dir, state, keep=s.keep_checkpoints, hf_export=False)
             metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
             consumer.ack(*unacked)
             unacked.clear()
@@ -81,6 +80,9 @@ def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | N
                     ledger.write(json.dumps({"batch_id": batch.batch_id, "version": state.version, "pid": os.getpid(),
                                              "lag": lag, **m}) + "\n")  # fmt: skip
                     ledger.flush()
+                    if s.hf_export:  # the filesystem weight transport: replicas reload hf/latest
+                        checkpoint.export_hf(trainer.engine, s.run_dir / "hf", state.version,
+                                             tokenizer=trainer.tokenizer, keep=s.keep_checkpoints + 1)  # fmt: skip
                     client.set(KEY_POLICY_VERSION, state.version)
                     if publish is not None:
                         publish(state.version, trainer)

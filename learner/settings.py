@@ -33,7 +33,10 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling cap C (unset: off).")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint (and acknowledge) every n batches.")
     keep_checkpoints: int = Field(2, ge=1, description="DeepSpeed checkpoints kept on disk.")
-    hf_export: bool = Field(True, description="Write an HF safetensors export with each checkpoint.")
+    hf_export: bool = Field(
+        True,
+        description="Write an HF safetensors export after every batch (run_dir/hf: the filesystem weight transport).",
+    )
     keep_batches: int = Field(16, ge=0, description="Acknowledged batches kept in dapo:batches after a checkpoint.")
     consumer_name: str = Field("learner-0", description="Consumer name in the batches stream's group.")
     claim_idle_ms: int = Field(60_000, ge=0, description="Reclaim batches another learner left idle this long.")

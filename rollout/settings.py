@@ -29,6 +29,9 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     reward_token: SecretStr | None = Field(None, description="Bearer token for the reward server.")
     reward_timeout_s: float = Field(60.0, gt=0, description="Timeout of one scoring request.")
     reward_retries: int = Field(5, ge=0, description="Retries with backoff before the prompts are left pending.")
+    weights_dir: Path | None = Field(
+        None, description="The learner's HF export folder (run_dir/hf): load each new version between engine calls."
+    )
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="TTL of this replica's heartbeat key.")
     claim_idle_ms: int = Field(120_000, ge=0, description="Reclaim prompts another replica left idle this long.")
     max_prompts: int | None = Field(None, ge=1, description="Stop after this many prompts (tests, benchmarks).")

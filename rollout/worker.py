@@ -73,7 +73,27 @@ class Worker:
         self.engine.generate([ids], 1, SamplingParams(max_tokens=1))
         self.state = "ready"
 
+    def sync_weights(self) -> bool:
+        """The filesystem weight transport: load `weights_dir/latest` if it is newer than what we hold."""
+        if self.s.weights_dir is None:
+            return False
+        try:
+            name = (self.s.weights_dir / "latest").read_text().strip()
+        except FileNotFoundError:
+            return False
+        version = int(name.lstrip("v"))
+        if version <= self.engine.version:
+            return False
+        self.state = "syncing"
+        t0 = time.perf_counter()
+        self.engine.load_weights(self.s.weights_dir / name, version)
+        self.state = "ready"
+        self.m.version.set(version)
+        log.info("loaded weights version %d in %.2f s", version, time.perf_counter() - t0)
+        return True
+
     def step(self) -> int:
+        self.sync_weights()  # weights change only between engine calls
         deliveries = self.consumer.read(count=self.s.prompts_per_call, block_ms=1000)
         if not deliveries:
             return 0

@@ -31,6 +31,7 @@ RedisUrl = Annotated[str | None, typer.Option(envvar="DAPO_REDIS_URL", help="Red
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.DEBUG if verbose else logging.WARNING)  # one line per poll
 
 
 @app.command()
@@ -110,14 +111,38 @@ def prepare_model(
 @app.command()
 def up(
     redis_url: RedisUrl = None,
-    run_dir: Annotated[Path, typer.Option(help="Run directory (Redis AOF, models, logs).")] = RUN_DIR,
+    run_dir: Annotated[Path, typer.Option(help="Run directory (Redis AOF, models, logs, checkpoints).")] = RUN_DIR,
+    steps: Annotated[int, typer.Option(help="Learner batches to train before stopping.")] = 20,
+    tiny: Annotated[bool, typer.Option(help="A random tiny Llama and a few steps: a smoke test.")] = False,
+    replicas: Annotated[int, typer.Option(help="Rollout replicas.")] = 1,
+    engine: Annotated[str, typer.Option(help="Rollout engine: vllm or hf.")] = "vllm",
+    check: Annotated[bool, typer.Option(help="Only prepare the model and check Redis and the transport.")] = False,
 ) -> None:
-    """Start the local mesh.
+    """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
+    from services.mesh import Mesh, MeshConfig
 
-    The services (reward, buffer, rollout, learner) land with their issues; until then this sets up
-    what they share: the model folder, Redis (embedded unless DAPO_REDIS_URL is set), and checks that
-    every wire message round-trips through the Redis Streams transport.
-    """
+    if check:
+        _check(redis_url, run_dir)
+        return
+    cfg = MeshConfig.tiny_preset(run_dir, steps=min(steps, 3)) if tiny else MeshConfig(run_dir=run_dir, steps=steps)
+    cfg.redis_url, cfg.replicas = redis_url, replicas
+    if not tiny:
+        cfg.engine = engine
+    mesh = Mesh(cfg, say=console.print)
+    code = 1
+    try:
+        mesh.start()
+        code = mesh.run()
+        console.print(f"[green]done[/]: {cfg.steps} steps; logs in {run_dir / 'logs'}, metrics in "
+                      f"{run_dir / 'metrics.jsonl'}, weights in {run_dir / 'learner' / 'hf'}")  # fmt: skip
+    except KeyboardInterrupt:
+        console.print("stopping (Ctrl-C)")
+    finally:
+        mesh.stop()
+    raise typer.Exit(code)
+
+
+def _check(redis_url: str | None, run_dir: Path) -> None:
     from services.common.models import prepare_smollm2
     from services.common.redis_server import EmbeddedRedis
     from services.common.selfcheck import transport_selfcheck
@@ -133,7 +158,6 @@ def up(
     finally:
         if server:
             server.stop()
-    console.print("The mesh services are not built yet; see the README's roadmap.")
 
 
 if __name__ == "__main__":

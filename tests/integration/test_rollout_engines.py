@@ -57,6 +57,9 @@ if __name__ == "__main__":
     prompts = [encode_prompt(e.tokenizer, "What is 2 + 3?"), encode_prompt(e.tokenizer, "Hi")]
     outs = e.generate(prompts, [4, 2], SamplingParams(max_tokens=12, seed=7))
     print("RESULT " + json.dumps({"prompts": prompts, "outs": [[c.__dict__ for c in o] for o in outs]}))
+    e.load_weights(sys.argv[2], version=3)  # other weights, in place
+    outs = e.generate(prompts, [4, 2], SamplingParams(max_tokens=12, seed=7))
+    print("RELOADED " + json.dumps({"version": e.version, "outs": [[c.__dict__ for c in o] for o in outs]}))
 """
 
 
@@ -67,8 +70,9 @@ def test_vllm_engine_samples_and_logprobs(model_dir: Path, tmp_path: Path) -> No
     script.write_text(VLLM_CHECK)
     env = os.environ | {"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                         "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "TMPDIR": str(tmp_path)}  # fmt: skip
-    r = subprocess.run([sys.executable, str(script), str(model_dir)], env=env, capture_output=True, text=True,
-                       timeout=600)  # fmt: skip
+    other = tiny_llama(tmp_path / "other", hidden=256, tokenizer=True, seed=1)
+    r = subprocess.run([sys.executable, str(script), str(model_dir), str(other)], env=env, capture_output=True,
+                       text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 
@@ -83,3 +87,12 @@ def test_vllm_engine_samples_and_logprobs(model_dir: Path, tmp_path: Path) -> No
             worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, ref, strict=True)))
     print(f"vLLM vs transformers: max |log-prob difference| = {worst:.2e}")
     assert worst < 1e-3, f"vLLM behaviour log-probs differ from transformers by up to {worst}"
+
+    reloaded = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RELOADED "))[9:])
+    assert reloaded["version"] == 3
+    worst = 0.0
+    for prompt, o in zip(data["prompts"], reloaded["outs"], strict=True):
+        for c in (Completion(**x) for x in o):
+            ref = reference_logprobs(other, prompt, c)  # the NEW weights, tied lm_head included
+            worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, ref, strict=True)))
+    assert worst < 1e-3, f"after an in-place reload vLLM log-probs differ from the new weights by {worst}"
