@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from services.common.launch import ROOT
-from services.common.redis_server import EmbeddedRedis, free_port
+from services.common.redis_server import EmbeddedRedis, die_with_parent, free_port
 
 
 @dataclass
@@ -73,7 +73,9 @@ class Mesh:
         env = os.environ | {"PYTHONPATH": str(ROOT), "DAPO_REDIS_URL": url, "OMP_NUM_THREADS": "1"}
         log = (self.logs / f"{name}.log").open("ab")
         cmd = [sys.executable, "-m", module, "--port", str(port), *args, *self.cfg.extra.get(name.split("-")[0], [])]
-        self.procs[name] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
 
     def _wait_ready(self, name: str, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s

@@ -62,3 +62,4 @@ def configure_logging(service: str, settings: ServiceSettings | None = None) -> 
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the rest

@@ -13,8 +13,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import TracebackType
@@ -47,6 +49,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """For `preexec_fn`: on Linux the child gets SIGTERM when its parent dies, even by SIGKILL, so a
+    crashed launcher leaves no orphan servers behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class EmbeddedRedis:
@@ -109,6 +120,7 @@ class EmbeddedRedis:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C in a terminal reaches our handler, not redis directly
+                preexec_fn=die_with_parent,  # SIGTERM makes redis flush its AOF and exit
             )
             if self._wait_ready():
                 log.info(

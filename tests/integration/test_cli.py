@@ -25,7 +25,7 @@ def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[s
 def up_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     run_dir = tmp_path_factory.mktemp("run")
     root = Path(__file__).resolve().parents[2]
-    return run(["up", "--run-dir", str(run_dir)], cwd=root, PYTHONPATH=str(root)), run_dir
+    return run(["up", "--check", "--run-dir", str(run_dir)], cwd=root, PYTHONPATH=str(root)), run_dir
 
 
 @pytest.mark.slow
