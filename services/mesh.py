@@ -99,7 +99,7 @@ class Mesh:
         if c.redis_url:
             url = c.redis_url
         else:
-            self.redis = EmbeddedRedis(c.run_dir / "redis")
+            self.redis = EmbeddedRedis(c.run_dir / "redis", tied_to_thread=True)  # started from the main thread
             url = self.redis.start()
         self.url = url
         self.say(f"redis: {url}")

@@ -53,7 +53,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def die_with_parent() -> None:
     """For `preexec_fn`: on Linux the child gets SIGTERM when its parent dies, even by SIGKILL, so a
-    crashed launcher leaves no orphan servers behind."""
+    crashed launcher leaves no orphan servers behind. Caveat (Linux semantics): "parent" is the THREAD
+    that started the child, so use it only for children started from a thread that outlives them."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -71,12 +72,14 @@ class EmbeddedRedis:
         password: str | None = None,
         appendfsync: str = "everysec",
         start_timeout_s: float = 15.0,
+        tied_to_thread: bool = False,
     ):
         self.data_dir = Path(data_dir).resolve()
         self.port = port
         self.password = password
         self.appendfsync = appendfsync
         self.start_timeout_s = start_timeout_s
+        self.tied_to_thread = tied_to_thread  # SIGTERM when the starting thread dies (see die_with_parent)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -120,7 +123,7 @@ class EmbeddedRedis:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C in a terminal reaches our handler, not redis directly
-                preexec_fn=die_with_parent,  # SIGTERM makes redis flush its AOF and exit
+                preexec_fn=die_with_parent if self.tied_to_thread else None,  # SIGTERM: flush the AOF, exit
             )
             if self._wait_ready():
                 log.info(
