@@ -83,10 +83,12 @@ class Buffer:
 
     def step(self, block_ms: int = 500) -> None:
         self.dispatch()
-        for d in self.consumer.read(count=DISPATCH_CHUNK, block_ms=block_ms):
-            self.accept(d)
+        deliveries = self.consumer.read(count=DISPATCH_CHUNK, block_ms=block_ms)
+        version = self.policy_version()  # once per step, after the read: the freshest the groups can meet
+        for d in deliveries:
+            self.accept(d, version)
         if len(self.carry) >= self.s.batch_size:
-            self.purge_stale()
+            self.purge_stale(version)
         while len(self.carry) >= self.s.batch_size:
             self.publish_batch()
         self.m.carry.set(len(self.carry))
@@ -171,14 +173,13 @@ class Buffer:
 
     # ------------------------------------------------------------------ accept
 
-    def accept(self, d: Delivery[ScoredGroup]) -> None:
+    def accept(self, d: Delivery[ScoredGroup], version: int) -> None:
         g = d.message
         if g.group_id in self.published or any(c.message.group_id == g.group_id for c in self.carry):
             self._drop(d, "duplicate")
             return
         self.m.received.inc()
         self.m.pass_rate.observe(pass_rate(g))
-        version = self.policy_version()
         if is_stale(g, version, self.s.max_staleness):
             self._drop(d, "stale")
             return
@@ -196,9 +197,8 @@ class Buffer:
         self.m.version_lag.observe(version_lag(g, version))
         self.carry.append(d)
 
-    def purge_stale(self) -> None:
+    def purge_stale(self, version: int) -> None:
         """The learner may have moved on while groups waited in the carry: check them again."""
-        version = self.policy_version()
         stale = [d for d in self.carry if is_stale(d.message, version, self.s.max_staleness)]
         if stale:
             gone = {d.entry_id for d in stale}
