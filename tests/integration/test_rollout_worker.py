@@ -113,25 +113,37 @@ def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: 
     assert client.get(REPLICA_KEY_PREFIX + "r0") is None  # a clean stop removes the heartbeat
 
 
+N = 24
+
+
 @pytest.mark.slow
 def test_two_replicas_share_and_a_killed_one_loses_nothing(model_dir: Path, reward_url: str,
                                                            server: EmbeddedRedis) -> None:  # fmt: skip
     client = connect(server.url)
     ensure_group(client, STREAM_PROMPTS, "rollout")
-    StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(16))
     a = start(model_dir, server.url, reward_url, "a", "--claim-idle-ms", "3000")
     b = start(model_dir, server.url, reward_url, "b", "--claim-idle-ms", "3000")
     try:
         deadline = time.monotonic() + 180
-        while client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0 or len(groups(client)) < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        while not (client.exists(REPLICA_KEY_PREFIX + "a") and client.exists(REPLICA_KEY_PREFIX + "b")):
+            assert time.monotonic() < deadline, "the replicas did not start"
+            time.sleep(0.1)  # both ready before any prompt exists: they will share the work
+        StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(N))
+        while True:  # both replicas have published work, and "a" is holding prompts right now
+            held = client.xpending_range(STREAM_PROMPTS, "rollout", "-", "+", 100, consumername="a")
+            if {g.replica_id for g in groups(client)} == {"a", "b"} and held:
+                break
+            assert time.monotonic() < deadline, "the replicas did not both take work"
+            time.sleep(0.02)
         a.send_signal(signal.SIGKILL)  # mid-batch: it holds prompts it has not finished
         a.wait(30)
-        got = wait_groups(client, 16)
+        got = wait_groups(client, N)
     finally:
         stop(b)
     ids = [g.task.task_id for g in got]
-    assert sorted(ids) == sorted(f"t{i}" for i in range(16))  # none lost, none twice
-    assert {g.replica_id for g in got} == {"a", "b"}
+    assert sorted(ids) == sorted(f"t{i}" for i in range(N))  # none lost, none twice
+    held_ids = {e["message_id"] for e in held}
+    held_tasks = {decode(f, PromptTask).task_id for i, f in client.xrange(STREAM_PROMPTS) if i in held_ids}
+    by_task = {g.task.task_id: g.replica_id for g in got}
+    assert held_tasks and all(by_task[t] == "b" for t in held_tasks)  # the dead replica's prompts went to "b"
     assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0
