@@ -6,7 +6,8 @@ ledger). The learner acknowledges a batch only once a checkpoint holds it, so af
 restarted learner reclaims exactly the batches the checkpoint lacks and trains those.
 
     state = load(engine, run_dir) or LearnerState()
-    save(engine, run_dir, state, keep=2, hf_export=True, tokenizer=tok)
+    save(engine, run_dir, state, keep=2)
+    export_hf(engine, run_dir / "hf", state.version, tokenizer=tok)   # after every batch (weight transport)
 
 Files under run_dir: checkpoints/<tag>/ (DeepSpeed; `latest` names the newest complete one),
 state.json (the newest state, for people and audits), hf/v<version>/ (safetensors that transformers
@@ -44,8 +45,7 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2, hf_export: bool = True,
-         tokenizer: Any = None) -> str:  # fmt: skip
+def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2) -> str:
     ckpt_dir = run_dir / "checkpoints"
     tag = f"v{state.version:06d}"
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"dapo": asdict(state)})
@@ -53,8 +53,6 @@ def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2, hf_e
     tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("v"))
     for old in tags[:-keep]:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-    if hf_export:
-        export_hf(engine, run_dir / "hf", state.version, tokenizer=tokenizer, keep=keep)
     return tag
 
 

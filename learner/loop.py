@@ -56,7 +56,7 @@ def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | N
 
         def commit() -> None:
             t0 = time.perf_counter()
-            checkpoint.save(trainer.engine, s.run_dir, state, keep=s.keep_checkpoints, hf_export=False)
+            checkpoint.save(trainer.engine, s.run_dir, state, keep=s.keep_checkpoints)
             metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
             consumer.ack(*unacked)
             unacked.clear()

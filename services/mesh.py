@@ -20,9 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from services.common.launch import ROOT
+from services.common.launch import ROOT, wait_ready
 from services.common.redis_server import EmbeddedRedis, die_with_parent, free_port
 
 
@@ -78,18 +76,8 @@ class Mesh:
         )
 
     def _wait_ready(self, name: str, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            proc = self.procs[name]
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.logs / name}.log")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.ports[name]}/readyz", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{name} not ready after {timeout_s:.0f} s; see {self.logs / name}.log")
+        url = f"http://127.0.0.1:{self.ports[name]}/readyz"
+        wait_ready(self.procs[name], url, name=name, timeout_s=timeout_s, log_hint=f"; see {self.logs / name}.log")
 
     def start(self) -> None:
         c = self.cfg

@@ -22,6 +22,31 @@ from services.common.redis_server import free_port
 ROOT = Path(__file__).resolve().parents[2]  # the checkout, so `python -m` finds the packages
 
 
+def wait_ready(
+    proc: subprocess.Popen[bytes],
+    url: str,
+    *,
+    name: str,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 120.0,
+    poll_s: float = 0.5,
+    log_hint: str = "",
+) -> None:
+    """Poll `url` until it answers 200; fail at once if the process exits, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode}{log_hint}")
+        try:
+            if httpx.get(url, headers=headers or {}, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} not ready after {timeout_s:.0f} s{log_hint}")
+        time.sleep(poll_s)
+
+
 @contextmanager
 def running(
     package: str,
@@ -40,18 +65,7 @@ def running(
     base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{package} exited with code {proc.returncode}")
-            try:
-                if httpx.get(base + ready_path, headers=headers, timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{package} not ready after {timeout_s} s")
-            time.sleep(0.2)
+        wait_ready(proc, base + ready_path, name=package, headers=headers, timeout_s=timeout_s, poll_s=0.2)
         yield base, proc
     finally:
         proc.terminate()
