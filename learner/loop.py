@@ -3,9 +3,11 @@
     python -m learner --model-dir DIR --redis-url URL [--checkpoint-every 1] ...
 
 Read a batch (own pending first after a restart, then reclaimed, then new); skip it if the
-checkpointed weights already contain it; train; bump the policy version in Redis; call the
-weight-publishing hook; every `checkpoint_every` batches write a checkpoint and only then
-acknowledge the batches it contains. A crash therefore loses no batch and trains none twice.
+checkpointed weights already contain it; train; write the HF snapshot; bump the policy version in
+Redis; broadcast the new weights to the live rollout replicas (learner/weight_sync.py); every
+`checkpoint_every` batches write a checkpoint and only then acknowledge the batches it contains.
+A crash therefore loses no batch and trains none twice. At start the learner broadcasts the weights
+it resumed from, so replicas that held a version lost in the crash serve the learner's again.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -24,16 +25,16 @@ from learner.checkpoint import LearnerState
 from learner.metrics import LearnerMetrics
 from learner.settings import LearnerSettings
 from learner.trainer import Trainer
+from learner.weight_sync import WeightSender
 from services.common.schemas import TrainBatch
 from services.common.stream_admin import safe_trim, stream_stats
 from services.common.streams import GROUP_LEARNER, KEY_POLICY_VERSION, STREAM_BATCHES, StreamConsumer, connect_from
 from services.common.web import create_app, serve_in_thread
 
 log = logging.getLogger(__name__)
-Publisher = Callable[[int, Trainer], None]  # (new version, trainer): the weight-sync hook
 
 
-def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | None = None) -> LearnerState:
+def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
     s = settings
     client = connect_from(s)
     registry = CollectorRegistry()
@@ -41,12 +42,18 @@ def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | N
     holder: dict[str, Trainer] = {}
     app = create_app("learner", s, registry, ready=lambda: ("t" in holder, "model loaded" if holder else "loading"))
     server = serve_in_thread(app, s)
+    sender: WeightSender | None = None
     try:
         holder["t"] = trainer = Trainer(s)
         s.run_dir.mkdir(parents=True, exist_ok=True)
         state = checkpoint.load(trainer.engine, s.run_dir) or LearnerState()
         client.set(KEY_POLICY_VERSION, state.version)  # a crash may have left a newer version that was lost
         metrics.policy_version.set(state.version)
+        if s.weight_sync == "broadcast":
+            sender = WeightSender(
+                s, client, trainer.engine.module, registry, zero3=trainer.engine.zero_optimization_stage() == 3
+            )
+            sender.publish(state.version, step=state.step)  # replicas serve exactly the weights we resume from
         consumer = StreamConsumer(
             client, STREAM_BATCHES, GROUP_LEARNER, s.consumer_name, TrainBatch,
             claim_idle_ms=s.claim_idle_ms, max_deliveries=s.max_deliveries, registry=registry,
@@ -77,15 +84,27 @@ def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | N
                     state.advance(batch.batch_id, s.minibatches)
                     done.add(batch.batch_id)
                     metrics.record(m, state.version, lag)
+                    snapshot = None
+                    if s.hf_export:  # for late joiners, and the filesystem transport: replicas reload hf/latest
+                        snapshot = checkpoint.export_hf(
+                            trainer.engine,
+                            s.run_dir / "hf",
+                            state.version,
+                            tokenizer=trainer.tokenizer,
+                            keep=s.keep_checkpoints + 1,
+                        )
+                    client.set(KEY_POLICY_VERSION, state.version)
+                    if sender is not None:
+                        wv = sender.publish(
+                            state.version,
+                            step=state.step,
+                            batch_id=batch.batch_id,
+                            checkpoint_dir=str(snapshot) if snapshot else None,
+                        )
+                        m = m | {"sync_seconds": wv.sync_seconds, "sync_replicas": len(wv.replicas)}
                     ledger.write(json.dumps({"batch_id": batch.batch_id, "version": state.version, "pid": os.getpid(),
                                              "lag": lag, **m}) + "\n")  # fmt: skip
                     ledger.flush()
-                    if s.hf_export:  # the filesystem weight transport: replicas reload hf/latest
-                        checkpoint.export_hf(trainer.engine, s.run_dir / "hf", state.version,
-                                             tokenizer=trainer.tokenizer, keep=s.keep_checkpoints + 1)  # fmt: skip
-                    client.set(KEY_POLICY_VERSION, state.version)
-                    if publish is not None:
-                        publish(state.version, trainer)
                     unacked.append(d.entry_id)
                     trained_now += 1
                     log.info("batch %d -> version %d: loss %.4f, %.1f s", batch.batch_id, state.version,
@@ -96,5 +115,7 @@ def run(settings: LearnerSettings, stop: threading.Event, publish: Publisher | N
                 commit()
         return state
     finally:
+        if sender is not None:
+            sender.close()
         server.should_exit = True
         client.close()

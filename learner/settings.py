@@ -37,6 +37,14 @@ class LearnerSettings(ServiceSettings, RedisSettings):
         True,
         description="Write an HF safetensors export after every batch (run_dir/hf: the filesystem weight transport).",
     )
+    weight_sync: Literal["broadcast", "none"] = Field(
+        "broadcast", description="broadcast: send every version to the live replicas (gloo on CPU, NCCL on GPU)."
+    )
+    sync_host: str = Field("127.0.0.1", description="Address replicas use to reach the learner's sync rendezvous.")
+    sync_bind_host: str = Field("0.0.0.0", description="Interface the rendezvous store listens on.")
+    sync_port: int = Field(29600, ge=0, le=65535, description="Rendezvous port of the weight sync (0: a free port).")
+    sync_timeout_s: float = Field(60.0, gt=0, description="A replica that does not answer a sync this long is dropped.")
+    sync_bucket_mb: float = Field(64.0, gt=0, description="Size of the flat buckets weights are broadcast in.")
     keep_batches: int = Field(16, ge=0, description="Acknowledged batches kept in dapo:batches after a checkpoint.")
     consumer_name: str = Field("learner-0", description="Consumer name in the batches stream's group.")
     claim_idle_ms: int = Field(60_000, ge=0, description="Reclaim batches another learner left idle this long.")

@@ -11,6 +11,7 @@ from rollout.engine import load_engine
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient
 from rollout.settings import RolloutSettings
+from rollout.weight_receiver import WeightReceiver
 from rollout.worker import Worker
 from services.common.streams import connect_from
 from services.common.web import create_app, serve_in_thread
@@ -35,11 +36,15 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
     beat_stop = threading.Event()
     try:
         engine = load_engine(s.model_dir, s.engine, kv_cache_gib=s.vllm_kv_cache_gib, eager=s.vllm_eager)
-        holder["w"] = worker = Worker(s, client, engine, reward, metrics)
+        receiver = WeightReceiver(s, client, metrics) if s.sync_broadcast else None
+        holder["w"] = worker = Worker(s, client, engine, reward, metrics, receiver)
+        worker.sync_weights()  # a late joiner starts from the newest snapshot, then joins the next round
         worker.warm_up()
         metrics.version.set(engine.version)
         worker.heartbeat()
         threading.Thread(target=worker.heartbeat_forever, args=(beat_stop,), name="heartbeat", daemon=True).start()
+        if receiver is not None:
+            threading.Thread(target=receiver.run, args=(beat_stop,), name="weight-sync", daemon=True).start()
         log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, engine.version)
         while not stop.is_set() and (s.max_prompts is None or worker.done < s.max_prompts):
             worker.step()

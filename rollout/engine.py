@@ -12,6 +12,7 @@ distribution itself.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -46,6 +47,8 @@ class Engine(Protocol):
         ...
 
     def load_weights(self, hf_dir: Path, version: int) -> None: ...
+
+    def load_tensors(self, named: Iterator[tuple[str, Any]], version: int) -> None: ...
 
 
 def encode_prompt(tokenizer: Any, text: str, chat_template: bool = True) -> list[int]:
@@ -115,9 +118,13 @@ class HFEngine:
         state: dict[str, Any] = {}
         for f in sorted(Path(hf_dir).glob("*.safetensors")):
             state.update(load_file(f))
+        self.load_tensors(iter(state.items()), version, source=str(hf_dir))
+
+    def load_tensors(self, named: Iterator[tuple[str, Any]], version: int, *, source: str = "the broadcast") -> None:
+        state = dict(named)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
-            raise ValueError(f"weights in {hf_dir} do not fit the model: missing {missing}, unexpected {unexpected}")
+            raise ValueError(f"weights from {source} do not fit the model: missing {missing}, unexpected {unexpected}")
         self.model.tie_weights()
         self.version = version
 

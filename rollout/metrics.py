@@ -21,3 +21,10 @@ class RolloutMetrics:
         self.reward_failures = Counter("dapo_rollout_reward_failures", "Batches left pending: reward down.", registry=r)
         self.groups = Counter("dapo_rollout_groups_published", "Scored groups published.", registry=r)
         self.version = Gauge("dapo_rollout_weight_version", "Policy version of the weights held.", registry=r)
+        self.sync_rounds = Counter("dapo_rollout_sync_rounds", "Weight broadcasts received and verified.", registry=r)
+        self.sync_failures = Counter("dapo_rollout_sync_failures", "Weight broadcasts or groups that failed.",
+                                     registry=r)  # fmt: skip
+        self.sync_receive_seconds = Histogram("dapo_rollout_sync_receive_seconds", "Seconds to receive a version.",
+                                              registry=r, buckets=buckets)  # fmt: skip
+        self.weight_load_seconds = Histogram("dapo_rollout_weight_load_seconds", "Seconds to load weights into the "
+                                             "engine.", registry=r, buckets=buckets)  # fmt: skip

@@ -32,6 +32,10 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     weights_dir: Path | None = Field(
         None, description="The learner's HF export folder (run_dir/hf): load each new version between engine calls."
     )
+    sync_broadcast: bool = Field(
+        True, description="Join the learner's weight-broadcast group (gloo on CPU, NCCL on GPU) when it announces one."
+    )
+    sync_device: str = Field("auto", description="Where broadcast weights land: auto (cuda if present), cpu, cuda:0.")
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="TTL of this replica's heartbeat key.")
     claim_idle_ms: int = Field(120_000, ge=0, description="Reclaim prompts another replica left idle this long.")
     max_prompts: int | None = Field(None, ge=1, description="Stop after this many prompts (tests, benchmarks).")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,13 @@ class VllmEngine:
     def load_weights(self, hf_dir: Path, version: int) -> None:
         """In-place reload from an HF safetensors folder (~0.3 s for 135M), between engine calls."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
+        self.llm.collective_rpc(_retie_lm_head)
+        self.version = version
+
+    def load_tensors(self, named: Iterator[tuple[str, Any]], version: int) -> None:
+        """In-place reload from (name, tensor) pairs in HF naming (the broadcast's buckets), between engine calls.
+        The engine runs in this process, so the iterator is handed over as is: nothing is copied or pickled."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         self.llm.collective_rpc(_retie_lm_head)
         self.version = version
 

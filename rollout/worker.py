@@ -22,6 +22,7 @@ from rollout.engine import Engine, SamplingParams, encode_prompt
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardUnavailable
 from rollout.settings import RolloutSettings
+from rollout.weight_receiver import WeightReceiver
 from services.common.arrays import TokenIds
 from services.common.schemas import PromptTask, ReplicaHeartbeat, Sample, Score, ScoredGroup, ScoreItem
 from services.common.streams import (
@@ -40,8 +41,10 @@ log = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, s: RolloutSettings, client: redis.Redis, engine: Engine, reward: RewardClient,
-                 metrics: RolloutMetrics):  # fmt: skip
+                 metrics: RolloutMetrics, receiver: WeightReceiver | None = None):  # fmt: skip
         self.s, self.client, self.engine, self.reward, self.m = s, client, engine, reward, metrics
+        self.receiver = receiver
+        self.checksum: int | None = None  # of the broadcast weights the engine holds (None: from a snapshot)
         self.consumer = StreamConsumer(client, STREAM_PROMPTS, GROUP_ROLLOUT, s.replica_id, PromptTask,
                                        claim_idle_ms=s.claim_idle_ms, registry=metrics.registry)  # fmt: skip
         self.params = SamplingParams(s.temperature, s.top_p, s.max_response_tokens, s.seed)
@@ -54,7 +57,8 @@ class Worker:
     def heartbeat(self) -> None:
         hb = ReplicaHeartbeat(replica_id=self.s.replica_id, host=self.s.host, port=self.s.port,
                               weight_version=self.engine.version, tokens_per_s=self.tokens_per_s,
-                              state=self.state)  # type: ignore[arg-type]  # fmt: skip
+                              state=self.state, weight_checksum=self.checksum,
+                              sync_broadcast=self.receiver is not None)  # type: ignore[arg-type]  # fmt: skip
         self.client.set(REPLICA_KEY_PREFIX + self.s.replica_id, pack(hb), px=int(self.s.heartbeat_ttl_s * 1000))
 
     def heartbeat_forever(self, stop: threading.Event) -> None:
@@ -74,7 +78,13 @@ class Worker:
         self.state = "ready"
 
     def sync_weights(self) -> bool:
-        """The filesystem weight transport: load `weights_dir/latest` if it is newer than what we hold."""
+        """Load the newest weights between engine calls: a verified broadcast round, else a newer snapshot."""
+        if self.receiver is not None and self.receiver.ready is not None:
+            t0 = time.perf_counter()
+            got = self.receiver.take(self.engine.load_tensors)
+            if got is not None:
+                self._loaded(got.version, got.checksum, "broadcast", time.perf_counter() - t0)
+                return True
         if self.s.weights_dir is None:
             return False
         try:
@@ -87,10 +97,20 @@ class Worker:
         self.state = "syncing"
         t0 = time.perf_counter()
         self.engine.load_weights(self.s.weights_dir / name, version)
-        self.state = "ready"
-        self.m.version.set(version)
-        log.info("loaded weights version %d in %.2f s", version, time.perf_counter() - t0)
+        self._loaded(version, None, f"snapshot {name}", time.perf_counter() - t0)
         return True
+
+    def _loaded(self, version: int, checksum: int | None, source: str, seconds: float) -> None:
+        if self.state == "syncing":
+            self.state = "ready"
+        self.checksum = checksum
+        self.m.version.set(version)
+        self.m.weight_load_seconds.observe(seconds)
+        log.info("serving weights version %d (%s), loaded in %.2f s", version, source, seconds)
+        try:
+            self.heartbeat()  # the learner and the buffer see the new version now, not a TTL/3 later
+        except (RedisUnavailable, redis.RedisError) as e:
+            log.warning("heartbeat failed: %s", e)
 
     def step(self) -> int:
         self.sync_weights()  # weights change only between engine calls

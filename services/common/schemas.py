@@ -161,7 +161,22 @@ class WeightVersion(Message):
     step: int = Field(ge=0, description="Optimizer steps taken by the learner.")
     batch_id: int | None = Field(None, ge=0, description="Last batch trained into this version.")
     checkpoint_dir: str | None = Field(None, description="HF snapshot of these weights, for late joiners.")
+    checksum: int | None = Field(
+        None, ge=0, description="Checksum of the broadcast weights (see services/common/weights)."
+    )
+    replicas: list[str] = Field(default_factory=list, description="Replicas that acknowledged these weights.")
+    sync_seconds: FiniteFloat = Field(0.0, ge=0.0, description="Wall time of the broadcast round.")
     created_at: float = Field(default_factory=time.time)
+
+
+class SyncGroup(Message):
+    """The learner's weight-broadcast group, announced in Redis: where to rendezvous and who is invited."""
+
+    generation: int = Field(ge=1, description="Increases each time the group is rebuilt (membership changed).")
+    host: str = Field(min_length=1, description="Address of the learner's rendezvous store.")
+    port: int = Field(ge=1, le=65535)
+    candidates: list[str] = Field(description="Replica ids invited to this generation.")
+    timeout_s: FiniteFloat = Field(gt=0, description="Every wait of a round gives up after this long.")
 
 
 class ReplicaHeartbeat(Message):
@@ -173,11 +188,14 @@ class ReplicaHeartbeat(Message):
     weight_version: int = Field(ge=0)
     tokens_per_s: FiniteFloat = Field(0.0, ge=0.0)
     state: Literal["starting", "ready", "syncing", "draining"] = "starting"
+    weight_checksum: int | None = Field(None, ge=0, description="Checksum of the broadcast weights it serves.")
+    sync_broadcast: bool = Field(False, description="Joins the learner's weight-broadcast group.")
     timestamp: float = Field(default_factory=time.time)
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.__name__: cls for cls in (PromptTask, Sample, Score, ScoredGroup, TrainBatch, WeightVersion, ReplicaHeartbeat)
+    cls.__name__: cls
+    for cls in (PromptTask, Sample, Score, ScoredGroup, TrainBatch, WeightVersion, ReplicaHeartbeat, SyncGroup)
 }
 
 

@@ -12,6 +12,7 @@ from services.common.schemas import (
     Sample,
     Score,
     ScoredGroup,
+    SyncGroup,
     TrainBatch,
     WeightVersion,
 )
@@ -61,9 +62,12 @@ def example_messages() -> list[Message]:
         groups[0].scores[0],
         groups[0],
         TrainBatch.assemble(0, groups),
-        WeightVersion(version=1, step=1, batch_id=0, checkpoint_dir="/tmp/ckpt/v1"),
-        ReplicaHeartbeat(replica_id="rollout-0", host="127.0.0.1", port=8002, weight_version=1, state="ready"),
-    ]
+        WeightVersion(version=1, step=1, batch_id=0, checkpoint_dir="/tmp/ckpt/v1", checksum=12345,
+                      replicas=["rollout-0"], sync_seconds=0.2),
+        ReplicaHeartbeat(replica_id="rollout-0", host="127.0.0.1", port=8002, weight_version=1, state="ready",
+                         weight_checksum=12345, sync_broadcast=True),
+        SyncGroup(generation=1, host="127.0.0.1", port=29600, candidates=["rollout-0"], timeout_s=60.0),
+    ]  # fmt: skip
 
 
 def transport_selfcheck(redis_url: str) -> dict[str, bool]:

@@ -1,0 +1,290 @@
+"""The learner's side of weight sync: broadcast every new version to the live rollout replicas.
+
+    sender = WeightSender(settings, client, engine.module, metrics, zero3=False)
+    sender.publish(version, step=..., batch_id=...)   # after each batch, at the version boundary
+    sender.close()
+
+Membership comes from the replicas' heartbeat keys (those with `sync_broadcast`). When it differs from
+the current group's, the group is rebuilt: a new generation is announced in Redis, the candidates that
+join within the timeout get a rank, and a fresh process group is built on our own TCPStore. A round
+announces the version, broadcasts the buckets (gathered first under ZeRO-3), publishes the checksums
+and waits for every member's acknowledgement. A member that does not acknowledge in time (dead,
+stopped, stalled) is dropped and set aside until its heartbeat moves again; the generation is closed
+and the next version rebuilds the group without it. Nothing here waits without a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import msgpack
+import redis
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
+from services.common.streams import REPLICA_KEY_PREFIX, pack, unpack
+from services.common.weights import (
+    KEY_SYNC_GENERATION,
+    KEY_SYNC_GROUP,
+    KEY_WEIGHTS,
+    Manifest,
+    broadcast,
+    checksum,
+    dtype_of,
+    make_group,
+    present_keys,
+    total,
+)
+
+log = logging.getLogger(__name__)
+QUARANTINE_MAX_S = 300.0
+
+
+class SyncMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.seconds = Histogram("dapo_learner_sync_seconds", "Seconds per weight-broadcast round.", registry=r,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))  # fmt: skip
+        self.bytes = Counter("dapo_learner_sync_bytes", "Weight bytes broadcast (once per round).", registry=r)
+        self.gbps = Gauge("dapo_learner_sync_gbps", "GB/s of the last round (bytes / round seconds).", registry=r)
+        self.replicas = Gauge("dapo_learner_sync_replicas", "Replicas in the broadcast group.", registry=r)
+        self.rebuilds = Counter("dapo_learner_sync_rebuilds", "Broadcast groups built.", registry=r)
+        self.timeouts = Counter("dapo_learner_sync_timeouts", "Replicas dropped: no answer in time.", registry=r)
+        self.failures = Counter("dapo_learner_sync_failures", "Rounds or rebuilds that failed.", registry=r)
+        self.served = Gauge("dapo_learner_replica_weight_version", "Version each live replica serves.", ("replica",),
+                            registry=r)  # fmt: skip
+
+
+@dataclass
+class Generation:
+    number: int
+    members: list[str]  # rank = index + 1
+    store: Any  # PrefixStore g<number>/
+    pg: Any
+    round: int = 0
+
+
+@dataclass
+class Quarantine:
+    """A replica that failed a round waits until its own heartbeat moves past `until_ts`."""
+
+    stamp: float
+    failures: int = 1
+    until_ts: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.until_ts = self.stamp
+
+    def fail_again(self, stamp: float) -> None:
+        self.failures += 1
+        self.stamp = stamp
+        self.until_ts = stamp + min(QUARANTINE_MAX_S, 2.0**self.failures)
+
+
+class WeightSender:
+    def __init__(self, s: Any, client: redis.Redis, module: torch.nn.Module, registry: CollectorRegistry, *,
+                 zero3: bool = False):  # fmt: skip
+        self.s, self.client, self.module, self.zero3 = s, client, module, zero3
+        self.m = SyncMetrics(registry)
+        self.timeout_s: float = s.sync_timeout_s
+        self.params = [(n, p) for n, p in module.named_parameters()]
+        specs = [(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.params]
+        self.manifest = Manifest.plan(specs, int(s.sync_bucket_mb * 2**20))
+        self.device = next(module.parameters()).device
+        self.send_buffers: dict[str, torch.Tensor] = {}  # one reusable buffer per dtype, as big as its largest bucket
+        for b, (dt, _) in enumerate(self.manifest.buckets):
+            n = self.manifest.bucket_numel(b)
+            if dt not in self.send_buffers or self.send_buffers[dt].numel() < n:
+                self.send_buffers[dt] = torch.zeros(n, dtype=dtype_of(dt), device=self.device)
+        try:
+            self.store = dist.TCPStore(s.sync_bind_host, s.sync_port, None, True, timedelta(seconds=self.timeout_s),
+                                       wait_for_workers=False)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 -- torch raises DistNetworkError/RuntimeError: say what to change
+            raise RuntimeError(f"weight sync: cannot listen on port {s.sync_port} ({e}); "
+                               "set DAPO_SYNC_PORT / --sync-port (0 picks a free port)") from e  # fmt: skip
+        self.port = int(self.store.port)
+        self.gen: Generation | None = None
+        self.quarantine: dict[str, Quarantine] = {}
+        self.last_checksum: int | None = None
+        log.info("weight sync: %d parameters in %d buckets (%.1f MB), rendezvous %s:%d", len(self.params),
+                 len(self.manifest.buckets), self.manifest.nbytes / 1e6, s.sync_host, self.port)  # fmt: skip
+
+    # ------------------------------------------------------------------ membership
+
+    def heartbeats(self) -> dict[str, ReplicaHeartbeat]:
+        beats: dict[str, ReplicaHeartbeat] = {}
+        for key in self.client.scan_iter(match=REPLICA_KEY_PREFIX + "*", count=100):
+            raw = self.client.get(key)
+            if raw is None:
+                continue
+            try:
+                hb = unpack(raw, ReplicaHeartbeat)
+            except Exception as e:  # noqa: BLE001 -- a bad heartbeat must not stop training
+                log.warning("ignoring heartbeat %r: %s", key, e)
+                continue
+            beats[hb.replica_id] = hb
+        self.m.served.clear()
+        for rid, hb in beats.items():
+            self.m.served.labels(rid).set(hb.weight_version)
+        return beats
+
+    def live(self) -> dict[str, ReplicaHeartbeat]:
+        """Replicas that want the broadcast, are up, and are not set aside after a failure."""
+        out = {}
+        for rid, hb in self.heartbeats().items():
+            if not hb.sync_broadcast or hb.state not in ("ready", "syncing"):
+                continue
+            q = self.quarantine.get(rid)
+            if q is not None and hb.timestamp <= q.until_ts:
+                continue
+            out[rid] = hb
+        return out
+
+    def _set_aside(self, ids: list[str], beats: dict[str, ReplicaHeartbeat]) -> None:
+        for rid in ids:
+            stamp = beats[rid].timestamp if rid in beats else time.time()
+            if rid in self.quarantine:
+                self.quarantine[rid].fail_again(stamp)
+            else:
+                self.quarantine[rid] = Quarantine(stamp)
+        if ids:
+            log.warning("weight sync: dropped %s (no answer within %.0f s)", ", ".join(sorted(ids)), self.timeout_s)
+            self.m.timeouts.inc(len(ids))
+
+    # ------------------------------------------------------------------ rounds
+
+    def publish(self, version: int, *, step: int = 0, batch_id: int | None = None,
+                checkpoint_dir: str | None = None) -> WeightVersion:  # fmt: skip
+        """Bring every live replica to `version`; returns the WeightVersion published in Redis."""
+        t0 = time.perf_counter()
+        acked: list[str] = []
+        sums: list[int] = []
+        for _ in range(2):  # a round broken by a dead member is retried at once without it
+            beats = self.live()
+            members = sorted(beats)
+            if self.gen is None or members != self.gen.members:
+                self._rebuild(members, beats)
+            if self.gen is None:
+                break
+            good, sums, retry = self._round(version, beats)
+            acked = sorted(set(acked) | set(good))
+            if not retry:
+                break
+        self.last_checksum = total(sums) if sums else self._checksum_now()
+        if acked:
+            self.quarantine = {k: v for k, v in self.quarantine.items() if k not in acked}
+        seconds = time.perf_counter() - t0
+        wv = WeightVersion(version=version, step=step, batch_id=batch_id, checkpoint_dir=checkpoint_dir,
+                           checksum=self.last_checksum, replicas=acked, sync_seconds=seconds)  # fmt: skip
+        self.client.set(KEY_WEIGHTS, pack(wv))
+        if acked:
+            self.m.seconds.observe(seconds)
+            self.m.bytes.inc(self.manifest.nbytes)
+            self.m.gbps.set(self.manifest.nbytes / seconds / 1e9 if seconds else 0.0)
+        return wv
+
+    def _rebuild(self, members: list[str], beats: dict[str, ReplicaHeartbeat]) -> None:
+        self._close()
+        if not members:
+            self.m.replicas.set(0)
+            return
+        number = int(self.client.incr(KEY_SYNC_GENERATION))  # type: ignore[arg-type]
+        ps: Any = dist.PrefixStore(f"g{number}/", self.store)
+        ps.set("manifest", self.manifest.to_bytes())
+        self.client.set(KEY_SYNC_GROUP, pack(SyncGroup(generation=number, host=self.s.sync_host, port=self.port,
+                                                       candidates=members, timeout_s=self.timeout_s)))  # fmt: skip
+        joined = {k.removeprefix("join/") for k in present_keys(ps, [f"join/{r}" for r in members], self.timeout_s)}
+        self._set_aside([r for r in members if r not in joined], beats)
+        roster = [r for r in members if r in joined]
+        if not roster:
+            self.m.replicas.set(0)
+            return
+        ps.set("roster", msgpack.packb(roster))
+        try:
+            pg = make_group(dist.PrefixStore("pg/", ps), 0, len(roster) + 1, self.timeout_s, self.device)
+        except Exception as e:  # noqa: BLE001 -- torch raises RuntimeError/DistError: drop those who did not connect
+            log.warning("weight sync: generation %d did not form: %s", number, e)
+            self.m.failures.inc()
+            ps.set("closed", b"1")
+            self._set_aside([r for r in roster if not ps.check([f"connected/{r}"])], beats)
+            return
+        self.gen = Generation(number, roster, ps, pg)
+        self.m.rebuilds.inc()
+        self.m.replicas.set(len(roster))
+        log.info("weight sync: generation %d with %s", number, ", ".join(roster))
+
+    def _round(self, version: int, beats: dict[str, ReplicaHeartbeat]) -> tuple[list[str], list[int], bool]:
+        """One version to the current group: (members that verified it, bucket checksums, worth retrying)."""
+        gen = self.gen
+        assert gen is not None
+        key = f"round/{gen.round}"
+        gen.store.set(key, msgpack.packb({"version": version}))
+        sums: list[int] = []
+        error: Exception | None = None
+        try:
+            for b in range(len(self.manifest.buckets)):
+                buf = self._pack(b)
+                sums.append(checksum(buf))
+                broadcast(gen.pg, buf, self.timeout_s)
+        except Exception as e:  # noqa: BLE001 -- a peer died or stalled: abort so the others stop waiting
+            error = e
+            gen.pg.abort()
+            log.warning("weight sync: round %d (version %d) broken: %s", gen.round, version, e)
+        if error is None:
+            gen.store.set(f"{key}/sums", msgpack.packb(sums))
+        acks = present_keys(gen.store, [f"{key}/ack/{r}" for r in gen.members], self.timeout_s)
+        answered = {k.rsplit("/", 1)[1] for k in acks}
+        good = []
+        for r in answered:
+            a = msgpack.unpackb(gen.store.get(f"{key}/ack/{r}"))
+            if a.get("ok") and error is None and a.get("checksum") == total(sums):
+                good.append(r)
+            else:
+                log.warning("weight sync: %s did not take version %d: %s", r, version, a.get("error"))
+        gen.round += 1
+        dropped = [r for r in gen.members if r not in answered]
+        self._set_aside(dropped, beats)
+        if error is None and len(good) == len(gen.members):
+            return sorted(good), sums, False
+        self.m.failures.inc()
+        self._close()  # rebuilt from who is alive: at once when live members still lack this version
+        return sorted(good), sums if error is None else [], bool(dropped) and len(good) < len(answered)
+
+    def _pack(self, b: int) -> torch.Tensor:
+        dt, idx = self.manifest.buckets[b]
+        buf = self.send_buffers[dt][: self.manifest.bucket_numel(b)]
+        params = [self.params[i][1] for i in idx]
+        gather: Any = contextlib.nullcontext()
+        if self.zero3:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        with torch.no_grad(), gather:
+            off = 0
+            for p in params:
+                n = p.numel()
+                buf[off : off + n].copy_(p.data.reshape(-1))
+                off += n
+            buf[off:].zero_()
+        return buf
+
+    def _checksum_now(self) -> int:
+        return total([checksum(self._pack(b)) for b in range(len(self.manifest.buckets))])
+
+    def _close(self) -> None:
+        gen, self.gen = self.gen, None
+        if gen is None:
+            return
+        gen.store.set("closed", b"1")
+        gen.pg.abort()
+        self.m.replicas.set(0)
+
+    def close(self) -> None:
+        self._close()

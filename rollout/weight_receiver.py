@@ -1,0 +1,198 @@
+"""A rollout replica's side of weight sync: join the learner's broadcast group, receive, verify.
+
+    receiver = WeightReceiver(settings, client, metrics)
+    threading.Thread(target=receiver.run, args=(stop,), daemon=True).start()
+    ...
+    receiver.take(engine.load_tensors)     # in the worker loop, between engine calls
+
+The receiver runs in its own thread so that the learner never waits for an engine call to finish: it
+watches the learner's announcement in Redis, joins a generation that invites it, and receives each
+round into staging buckets (on the GPU with NCCL, in memory with gloo). A round is handed to the
+engine only once every bucket's checksum matches the learner's; the worker loads the newest verified
+round between engine calls (it never blocks on the network: if a round is arriving, it loads later).
+Every wait gives up at the round's timeout, or when the learner closes or replaces the generation, or
+when its rendezvous store goes away; the receiver then waits for the next announcement.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import redis
+import torch
+import torch.distributed as dist
+
+from rollout.metrics import RolloutMetrics
+from rollout.settings import RolloutSettings
+from services.common.schemas import SyncGroup
+from services.common.streams import unpack
+from services.common.weights import (
+    KEY_SYNC_GROUP,
+    Buckets,
+    Manifest,
+    SyncAborted,
+    broadcast,
+    checksum,
+    make_group,
+    store_client,
+    total,
+    wait_keys,
+)
+
+log = logging.getLogger(__name__)
+Loader = Callable[[Iterator[tuple[str, torch.Tensor]], int], None]
+
+
+@dataclass(frozen=True)
+class Received:
+    version: int
+    checksum: int
+
+
+class WeightReceiver:
+    def __init__(self, s: RolloutSettings, client: redis.Redis, metrics: RolloutMetrics):
+        self.s, self.client, self.m = s, client, metrics
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(auto if s.sync_device == "auto" else s.sync_device)
+        self.lock = threading.Lock()  # held while a round writes the buckets and while the engine reads them
+        self.buckets: Buckets | None = None
+        self.ready: Received | None = None  # verified, not yet in the engine
+        self.generation = 0  # the newest generation this replica has handled
+        self.state = "idle"
+
+    # ------------------------------------------------------------------ the worker's side
+
+    def take(self, load: Loader) -> Received | None:
+        """Load the newest verified round into the engine, unless a round is arriving right now."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            got = self.ready
+            if got is None or self.buckets is None:
+                return None
+            load(self.buckets.named(), got.version)
+            self.ready = None
+            return got
+        finally:
+            self.lock.release()
+
+    # ------------------------------------------------------------------ the thread
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                ann = self._announcement()
+            except (redis.RedisError, ValueError) as e:
+                log.warning("weight sync: cannot read the announcement: %s", e)
+                stop.wait(1.0)
+                continue
+            if ann is None or ann.generation <= self.generation or self.s.replica_id not in ann.candidates:
+                stop.wait(0.2)
+                continue
+            self.generation = ann.generation
+            try:
+                self._session(ann, stop)
+            except SyncAborted as e:
+                log.info("weight sync: left generation %d (%s)", ann.generation, e)
+            except Exception as e:  # noqa: BLE001 -- a broken round or a lost learner: wait for the next generation
+                self.m.sync_failures.inc()
+                log.warning("weight sync: generation %d failed: %s", ann.generation, e)
+            finally:
+                self.state = "idle"
+
+    def _announcement(self) -> SyncGroup | None:
+        raw = self.client.get(KEY_SYNC_GROUP)
+        return None if raw is None else unpack(raw, SyncGroup)  # type: ignore[arg-type]
+
+    def _superseded(self, generation: int, last: list[float]) -> bool:
+        now = time.monotonic()
+        if now - last[0] < 1.0:
+            return False
+        last[0] = now
+        try:
+            ann = self._announcement()
+        except (redis.RedisError, ValueError):
+            return False
+        return ann is not None and ann.generation > generation
+
+    def _session(self, ann: SyncGroup, stop: threading.Event) -> None:
+        rid, timeout = self.s.replica_id, ann.timeout_s
+        last = [time.monotonic()]
+
+        def cancelled() -> bool:
+            return stop.is_set() or self._superseded(ann.generation, last)
+
+        store: Any = dist.PrefixStore(f"g{ann.generation}/", store_client(ann.host, ann.port, timeout))
+        manifest = Manifest.from_bytes(store.get("manifest"))
+        with self.lock:
+            if self.buckets is None or self.buckets.manifest != manifest:
+                self.buckets = Buckets(manifest, self.device)
+                self.ready = None
+        store.set(f"join/{rid}", b"1")
+        if "roster" not in wait_keys(store, ["roster", "closed"], timeout, any_of=True, cancelled=cancelled):
+            raise SyncAborted("closed before it formed")
+        roster = [str(r) for r in msgpack.unpackb(store.get("roster"))]
+        if rid not in roster:
+            raise SyncAborted("not in the roster")
+        pg = make_group(dist.PrefixStore("pg/", store), roster.index(rid) + 1, len(roster) + 1, timeout, self.device)
+        store.set(f"connected/{rid}", b"1")
+        self.state = "member"
+        log.info("weight sync: joined generation %d as rank %d of %d", ann.generation, roster.index(rid) + 1,
+                 len(roster) + 1)  # fmt: skip
+        try:
+            n = 0
+            while True:  # rounds come once per learner step: wait as long as the generation lives
+                got = wait_keys(store, [f"round/{n}", "closed"], float("inf"), any_of=True, cancelled=cancelled,
+                                poll_s=0.05)  # fmt: skip
+                if f"round/{n}" not in got:
+                    raise SyncAborted("closed by the learner")
+                self._receive(store, pg, n, timeout, cancelled)
+                n += 1
+        finally:
+            pg.abort()
+
+    def _receive(self, store: Any, pg: Any, n: int, timeout: float, cancelled: Callable[[], bool]) -> None:
+        assert self.buckets is not None
+        version = int(msgpack.unpackb(store.get(f"round/{n}"))["version"])
+        self.state = "receiving"
+        t0 = time.perf_counter()
+        ack: dict[str, Any] = {"ok": False, "checksum": None, "error": None}
+        with self.lock:
+            self.ready = None  # the buckets are about to be overwritten
+            try:
+                for buf in self.buckets.buffers:
+                    broadcast(pg, buf, timeout)
+                wait_keys(store, [f"round/{n}/sums"], timeout, cancelled=cancelled)
+                sums = [int(x) for x in msgpack.unpackb(store.get(f"round/{n}/sums"))]
+                mine = [checksum(buf) for buf in self.buckets.buffers]
+                ack["checksum"] = total(mine)
+                bad = [b for b, (x, y) in enumerate(zip(mine, sums, strict=True)) if x != y]
+                if bad:
+                    ack["error"] = f"checksum mismatch in buckets {bad}"
+                else:
+                    ack["ok"] = True
+                    self.ready = Received(version, total(mine))
+            except Exception as e:
+                ack["error"] = f"{type(e).__name__}: {e}"[:500]
+                raise
+            finally:
+                self.state = "member"
+                try:
+                    store.set(f"round/{n}/ack/{self.s.replica_id}", msgpack.packb(ack))
+                except Exception as e:  # noqa: BLE001 -- the learner is gone; nothing to tell
+                    log.debug("weight sync: could not acknowledge round %d: %s", n, e)
+        seconds = time.perf_counter() - t0
+        self.m.sync_receive_seconds.observe(seconds)
+        if ack["ok"]:
+            self.m.sync_rounds.inc()
+            log.info("weight sync: received version %d (%.1f MB) in %.2f s", version,
+                     self.buckets.manifest.nbytes / 1e6, seconds)  # fmt: skip
+        else:
+            self.m.sync_failures.inc()
+            log.warning("weight sync: version %d rejected: %s", version, ack["error"])

@@ -1,0 +1,208 @@
+"""The weight-sync wire, shared by the sender (learner/weight_sync.py) and the receivers (rollout/weight_receiver.py).
+
+Parameters travel as flat buckets (one dtype each, ~64 MB), in a torch.distributed process group of
+their own: gloo when the tensors are on CPUs, NCCL when they are on GPUs (the same code). The group is
+built from the learner's own TCPStore (never DeepSpeed's world group) and is rebuilt only when the
+membership changes. One *generation* is one group with fixed members; every version is one *round*.
+
+Redis    dapo:sync:generation        INCR counter: generations stay monotonic across learner restarts
+         dapo:sync:group             SyncGroup{generation, host, port, candidates, timeout_s}
+         dapo:weights                WeightVersion of the last round (version, checksum, replicas)
+TCPStore (the learner's), keys under g<generation>/:
+         manifest                    msgpack {params: [[name, dtype, shape]...], buckets: [[dtype, [i...]]...]}
+         join/<replica>              a candidate has arrived
+         roster                      msgpack [replica ids]: rank = index + 1 (the learner is rank 0)
+         round/<n>                   msgpack {version}: the buckets follow as broadcasts from rank 0
+         round/<n>/sums              msgpack [checksum per bucket], after the last bucket
+         round/<n>/ack/<replica>     msgpack {ok, checksum, error}: the replica verified (or not) the round
+         closed                      the learner has ended this generation
+
+Every wait on either side has a deadline. A replica that does not join, or does not acknowledge a
+round within the timeout, is dropped from the group; the next version rebuilds it without that replica.
+
+The checksum of a bucket is the sum of its bytes read as int32 words (buckets are padded to 4 bytes):
+cheap enough to compute on every round on both sides, and it catches truncated or corrupted buckets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+KEY_SYNC_GENERATION = "dapo:sync:generation"
+KEY_SYNC_GROUP = "dapo:sync:group"
+KEY_WEIGHTS = "dapo:weights"
+CHECKSUM_MASK = (1 << 63) - 1
+
+
+class SyncTimeout(TimeoutError):
+    """A peer did not show up (join, acknowledgement, bucket) within the round's timeout."""
+
+
+class SyncAborted(RuntimeError):
+    """The generation ended (closed by the learner, superseded, or the learner went away)."""
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in the weight manifest")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Names, dtypes and shapes of the parameters, and how they are packed into buckets."""
+
+    params: list[tuple[str, str, tuple[int, ...]]]  # name, dtype ("float32"), shape
+    buckets: list[tuple[str, list[int]]]  # dtype, indices into params
+
+    @classmethod
+    def plan(cls, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]], bucket_bytes: int) -> Manifest:
+        params = [
+            (name, str(dtype).removeprefix("torch."), tuple(int(x) for x in shape)) for name, dtype, shape in specs
+        ]
+        open_: dict[str, tuple[list[int], int]] = {}  # dtype -> (indices, bytes) of the bucket being filled
+        buckets: list[tuple[str, list[int]]] = []
+        for i, (_, dt, shape) in enumerate(params):
+            size = _numel(shape) * dtype_of(dt).itemsize
+            idx, used = open_.get(dt, ([], 0))
+            if idx and used + size > bucket_bytes:
+                buckets.append((dt, idx))
+                idx, used = [], 0
+            open_[dt] = (idx + [i], used + size)
+        buckets += [(dt, idx) for dt, (idx, _) in open_.items() if idx]
+        return cls(params, buckets)
+
+    def bucket_numel(self, b: int) -> int:
+        """Elements in bucket b, padded so that its bytes are a multiple of 4 (the checksum reads int32)."""
+        dt, idx = self.buckets[b]
+        n = sum(_numel(self.params[i][2]) for i in idx)
+        per_word = max(1, 4 // dtype_of(dt).itemsize)
+        return -(-n // per_word) * per_word
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bucket_numel(b) * dtype_of(dt).itemsize for b, (dt, _) in enumerate(self.buckets))
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb({"params": [[n, d, list(s)] for n, d, s in self.params], "buckets": self.buckets})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        raw = msgpack.unpackb(data)
+        params = [(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in raw["params"]]
+        for _, d, _ in params:
+            dtype_of(d)
+        buckets = [(str(d), [int(i) for i in idx]) for d, idx in raw["buckets"]]
+        if sorted(i for _, idx in buckets for i in idx) != list(range(len(params))):
+            raise ValueError("weight manifest: buckets do not cover every parameter exactly once")
+        return cls(params, buckets)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
+
+
+class Buckets:
+    """Flat buffers laid out by a manifest, and views of each parameter inside them."""
+
+    def __init__(self, manifest: Manifest, device: torch.device | str = "cpu"):
+        self.manifest = manifest
+        self.buffers = [
+            torch.zeros(manifest.bucket_numel(b), dtype=dtype_of(dt), device=device)
+            for b, (dt, _) in enumerate(manifest.buckets)
+        ]
+
+    def views(self, b: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(parameter index, view into bucket b shaped like the parameter)."""
+        off = 0
+        for i in self.manifest.buckets[b][1]:
+            shape = self.manifest.params[i][2]
+            n = _numel(shape)
+            yield i, self.buffers[b][off : off + n].view(shape)
+            off += n
+
+    def named(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for b in range(len(self.buffers)):
+            for i, view in self.views(b):
+                yield self.manifest.params[i][0], view
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """Sum of the buffer's bytes as int32 words (its byte length must be a multiple of 4)."""
+    words = buf.detach().reshape(-1).view(torch.uint8).view(torch.int32)
+    return int(words.sum(dtype=torch.int64).item()) & CHECKSUM_MASK
+
+
+def total(sums: Sequence[int]) -> int:
+    """One number for a whole set of weights: what replicas report in their heartbeat."""
+    return sum(sums) & CHECKSUM_MASK
+
+
+def make_group(store: Any, rank: int, size: int, timeout_s: float, device: torch.device) -> Any:
+    """A process group on `store` beside any world group: NCCL for CUDA tensors, gloo otherwise."""
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    opts.timeout = timedelta(seconds=timeout_s)
+    pg.broadcast([tensor], opts).wait(timedelta(seconds=timeout_s))
+    if tensor.is_cuda:
+        torch.cuda.current_stream().synchronize()
+
+
+def store_client(host: str, port: int, timeout_s: float) -> Any:
+    return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def wait_keys(
+    store: Any, keys: Sequence[str], timeout_s: float, *, any_of: bool = False,
+    cancelled: Callable[[], bool] = lambda: False, poll_s: float = 0.02,
+) -> list[str]:  # fmt: skip
+    """Wait until all (or, with any_of, one) of the keys exist; returns those that do.
+
+    Raises SyncTimeout at the deadline and SyncAborted when `cancelled()` turns true.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        present = [k for k in keys if store.check([k])]
+        if (present and any_of) or len(present) == len(keys):
+            return present
+        if cancelled():
+            raise SyncAborted("cancelled")
+        if time.monotonic() >= deadline:
+            missing = sorted(set(keys) - set(present))
+            raise SyncTimeout(f"waited {timeout_s:.0f} s for {', '.join(missing)}")
+        time.sleep(poll_s)
+
+
+def present_keys(store: Any, keys: Sequence[str], timeout_s: float, poll_s: float = 0.02) -> list[str]:
+    """Wait up to the deadline for all keys; return the ones that arrived (never raises on timeout)."""
+    try:
+        return wait_keys(store, keys, timeout_s, poll_s=poll_s)
+    except SyncTimeout:
+        return [k for k in keys if store.check([k])]

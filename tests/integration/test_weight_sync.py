@@ -1,0 +1,217 @@
+"""Weight sync over gloo, in separate processes: a real DeepSpeed learner (this process) broadcasts to
+rollout replicas started as `python -m rollout`; the new weights must reach the engines themselves."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from prometheus_client import CollectorRegistry
+
+from learner import checkpoint
+from learner.settings import LearnerSettings
+from learner.tiny import tiny_batch, tiny_llama
+from learner.trainer import Trainer
+from learner.weight_sync import WeightSender
+from services.common.launch import ROOT, running
+from services.common.redis_server import EmbeddedRedis, free_port
+from services.common.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup, SyncGroup, WeightVersion
+from services.common.streams import (
+    REPLICA_KEY_PREFIX,
+    STREAM_PROMPTS,
+    STREAM_ROLLOUTS,
+    StreamProducer,
+    connect,
+    decode,
+    unpack,
+)
+from services.common.weights import KEY_SYNC_GROUP, KEY_WEIGHTS, Buckets, checksum, total
+
+TIMEOUT_S = 8.0
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "m", hidden=256, tokenizer=True)  # head_dim 64 for vLLM
+
+
+@pytest.fixture(scope="module")
+def reward_url() -> Iterator[str]:
+    with running("reward_server", "--workers", "1", ready_path="/readyz") as (base, _):
+        yield base
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(tmp_path / "redis") as s:
+        yield s
+
+
+def start_replica(model_dir: Path, url: str, reward: str, name: str, engine: str, *extra: str) -> subprocess.Popen:
+    args = ["--engine", engine, "--model-dir", str(model_dir), "--redis-url", url, "--reward-url", reward,
+            "--port", str(free_port()), "--replica-id", name, "--max-response-tokens", "6", "--temperature", "0",
+            "--prompts-per-call", "1", "--heartbeat-ttl-s", "3", *extra]  # fmt: skip
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "rollout", *args], env=env, cwd=ROOT)
+
+
+def heartbeat(client: redis.Redis, name: str) -> ReplicaHeartbeat | None:
+    raw = client.get(REPLICA_KEY_PREFIX + name)
+    return None if raw is None else unpack(raw, ReplicaHeartbeat)
+
+
+def wait_for(what: str, cond, timeout_s: float = 240.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not (got := cond()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return got
+
+
+def serving(client: redis.Redis, name: str, version: int, checksum_: int | None = None) -> bool:
+    hb = heartbeat(client, name)
+    return hb is not None and hb.weight_version == version and (checksum_ is None or hb.weight_checksum == checksum_)
+
+
+def learner(model_dir: Path, run_dir: Path, url: str, stage: int) -> tuple[Trainer, WeightSender, CollectorRegistry]:
+    s = LearnerSettings(model_dir=model_dir, run_dir=run_dir, redis_url=url, zero_stage=stage, lr=5e-3,
+                        warmup_steps=0, minibatches=1, micro_batch_size=4, sync_port=0, sync_timeout_s=TIMEOUT_S,
+                        sync_bucket_mb=0.5)  # fmt: skip  # several buckets for a ~3 MB model
+    trainer = Trainer(s)
+    registry = CollectorRegistry()
+    return trainer, WeightSender(s, connect(url), trainer.engine.module, registry, zero3=stage == 3), registry
+
+
+def learner_checksum(sender: WeightSender) -> int:
+    """Independently of the round: pack the learner's parameters afresh and sum them."""
+    b = Buckets(sender.manifest)
+    named = dict(sender.module.named_parameters())
+    import deepspeed
+
+    params = list(named.values())
+    with deepspeed.zero.GatheredParameters(params, enabled=sender.zero3), torch.no_grad():
+        for i in range(len(b.buffers)):
+            for j, view in b.views(i):
+                view.copy_(named[sender.manifest.params[j][0]].data.view(view.shape))
+    return total([checksum(buf) for buf in b.buffers])
+
+
+def engine_follows_learner(client: redis.Redis, trainer: Trainer, version: int, k: int) -> list[float]:
+    """A greedy sample from the replicas must be tagged `version`, be the learner model's own greedy
+    continuation, and carry the learner model's log-probs: the weights reached the engine."""
+    StreamProducer(client, STREAM_PROMPTS).publish(
+        PromptTask(task_id=f"v{version}-{k}", prompt_id=f"p{k}", prompt=f"Count to {k}.", ground_truth="1",
+                   verifier="dapo_math", data_source="test", n_samples=1))  # fmt: skip
+    g = wait_for("the scored group", lambda: next(
+        (decode(f, ScoredGroup) for _, f in client.xrange(STREAM_ROLLOUTS) if decode(f, ScoredGroup).task.task_id ==
+         f"v{version}-{k}"), None))  # fmt: skip
+    sample = g.samples[0]
+    assert sample.policy_version == version
+    prompt = g.task.prompt_token_ids.tolist()
+    resp = sample.response_token_ids.tolist()
+    ids = torch.tensor([prompt + resp])
+    with torch.no_grad():
+        logits = trainer.engine(input_ids=ids).logits.float()
+    logp = logits.log_softmax(-1)[0, len(prompt) - 1 : -1]
+    want = logp.gather(-1, torch.tensor(resp).unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(logp.argmax(-1), torch.tensor(resp)), "not the learner's greedy continuation"
+    got = torch.tensor(sample.logprobs.tolist())
+    assert (got - want).abs().max() < 2e-3, (got, want)
+    return got.tolist()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_broadcast_reaches_two_vllm_engines(tmp_path: Path, model_dir: Path, reward_url: str,
+                                            server: EmbeddedRedis) -> None:  # fmt: skip
+    client = connect(server.url)
+    trainer, sender, _ = learner(model_dir, tmp_path / "run", server.url, stage=2)
+    procs = [start_replica(model_dir, server.url, reward_url, n, "vllm") for n in ("a", "b")]
+    try:
+        for n in ("a", "b"):
+            wait_for(f"replica {n}", lambda n=n: (hb := heartbeat(client, n)) is not None and hb.state == "ready")
+        before = engine_follows_learner(client, trainer, 0, 0)
+        seen = [before]
+        for v in (1, 2, 3):
+            trainer.train(tiny_batch(v))
+            wv = sender.publish(v, step=v, batch_id=v)
+            assert wv.replicas == ["a", "b"] and wv.checksum == learner_checksum(sender)
+            assert unpack(client.get(KEY_WEIGHTS), WeightVersion) == wv
+            for n in ("a", "b"):
+                wait_for(f"{n} serving v{v}", lambda n=n, v=v, c=wv.checksum: serving(client, n, v, c), 30)
+            lp = engine_follows_learner(client, trainer, v, v)
+            assert lp != seen[-1]  # the weights really changed in the engine
+            seen.append(lp)
+        assert unpack(client.get(KEY_SYNC_GROUP), SyncGroup).generation == 1  # same members: never rebuilt
+    finally:
+        sender.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            assert p.wait(60) == 0
+
+
+@pytest.mark.slow
+def test_elastic_membership_with_a_zero3_learner(tmp_path: Path, model_dir: Path, reward_url: str,
+                                                 server: EmbeddedRedis) -> None:  # fmt: skip
+    client = connect(server.url)
+    run_dir = tmp_path / "run"
+    trainer, sender, registry = learner(model_dir, run_dir, server.url, stage=3)
+    procs = {n: start_replica(model_dir, server.url, reward_url, n, "hf") for n in ("a", "b")}
+    try:
+        for n in ("a", "b"):
+            wait_for(f"replica {n}", lambda n=n: (hb := heartbeat(client, n)) is not None and hb.state == "ready")
+        trainer.train(tiny_batch(1))
+        wv = sender.publish(1)
+        assert wv.replicas == ["a", "b"] and wv.checksum == learner_checksum(sender)
+        for n in ("a", "b"):
+            wait_for(f"{n} serving v1", lambda n=n, c=wv.checksum: serving(client, n, 1, c), 30)
+        engine_follows_learner(client, trainer, 1, 1)
+
+        # b stops answering, then is SIGKILLed while the learner is inside the round
+        procs["b"].send_signal(signal.SIGSTOP)
+        trainer.train(tiny_batch(2))
+        result: dict[str, WeightVersion] = {}
+        t = threading.Thread(target=lambda: result.update(wv=sender.publish(2)))
+        t.start()
+        time.sleep(1.0)
+        procs["b"].send_signal(signal.SIGKILL)
+        t.join(4 * TIMEOUT_S)
+        assert not t.is_alive(), "the learner hung on a dead replica"
+        assert result["wv"].replicas == ["a"]
+        assert registry.get_sample_value("dapo_learner_sync_timeouts_total") == 1
+        wait_for("a serving v2", lambda: serving(client, "a", 2, result["wv"].checksum), 30)
+
+        trainer.train(tiny_batch(3))  # the dead replica's heartbeat has not expired yet: it is set aside
+        wv = sender.publish(3, checkpoint_dir=str(checkpoint.export_hf(trainer.engine, run_dir / "hf", 3)))
+        assert wv.replicas == ["a"] and registry.get_sample_value("dapo_learner_sync_timeouts_total") == 1
+        wait_for("a serving v3", lambda: serving(client, "a", 3, wv.checksum), 30)
+
+        # a late joiner starts from the newest snapshot, then joins the next round
+        procs["c"] = start_replica(model_dir, server.url, reward_url, "c", "hf", "--weights-dir", str(run_dir / "hf"))
+        wait_for("c ready on the v3 snapshot", lambda: (hb := heartbeat(client, "c")) is not None
+                 and hb.state == "ready" and hb.weight_version == 3)  # fmt: skip
+        trainer.train(tiny_batch(4))
+        wv = sender.publish(4)
+        assert wv.replicas == ["a", "c"] and wv.checksum == learner_checksum(sender)
+        for n in ("a", "c"):
+            wait_for(f"{n} serving v4", lambda n=n, c=wv.checksum: serving(client, n, 4, c), 30)
+        engine_follows_learner(client, trainer, 4, 4)
+        assert registry.get_sample_value("dapo_learner_sync_rebuilds_total") == 3  # {a,b}, {a}, {a,c}
+    finally:
+        sender.close()
+        for p in procs.values():
+            p.kill() if p.poll() is None and p is procs["b"] else p.terminate()
+        for p in procs.values():
+            p.wait(60)
