@@ -46,7 +46,7 @@ def print_table(results: list[Result]) -> None:
     table = Table("bench", "what", "ours", "limit", "unit", "ratio", "limit is", "goal")
     for r in results:
         table.add_row(
-            r.bench, r.what, f"{r.ours:,.1f}", f"{r.limit:,.1f}", r.unit, f"{r.ratio:.2f}", r.limit_is, r.goal
+            r.bench, r.what, f"{r.ours:,.4g}", f"{r.limit:,.4g}", r.unit, f"{r.ratio:.2f}", r.limit_is, r.goal
         )
     Console(width=200).print(table)
     print(json.dumps([r.row() for r in results]))

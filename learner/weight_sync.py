@@ -203,16 +203,16 @@ class WeightSender:
         joined = {k.removeprefix("join/") for k in present_keys(ps, [f"join/{r}" for r in members], self.timeout_s)}
         self._set_aside([r for r in members if r not in joined], beats)
         roster = [r for r in members if r in joined]
+        ps.set("roster", msgpack.packb(roster))
         if not roster:
             self.m.replicas.set(0)
             return
-        ps.set("roster", msgpack.packb(roster))
         try:
             pg = make_group(dist.PrefixStore("pg/", ps), 0, len(roster) + 1, self.timeout_s, self.device)
         except Exception as e:  # noqa: BLE001 -- torch raises RuntimeError/DistError: drop those who did not connect
             log.warning("weight sync: generation %d did not form: %s", number, e)
             self.m.failures.inc()
-            ps.set("closed", b"1")
+            ps.set("round/0", msgpack.packb({"closed": True}))
             self._set_aside([r for r in roster if not ps.check([f"connected/{r}"])], beats)
             return
         self.gen = Generation(number, roster, ps, pg)
@@ -282,9 +282,18 @@ class WeightSender:
         gen, self.gen = self.gen, None
         if gen is None:
             return
-        gen.store.set("closed", b"1")
+        gen.store.set(f"round/{gen.round}", msgpack.packb({"closed": True}))
         gen.pg.abort()
         self.m.replicas.set(0)
 
     def close(self) -> None:
+        """End the generation and withdraw the announcement (so no replica waits on a store that is gone)."""
+        number = self.gen.number if self.gen else None
         self._close()
+        try:
+            raw = self.client.get(KEY_SYNC_GROUP)
+            if raw is not None and number is not None and unpack(raw, SyncGroup).generation == number:
+                self.client.delete(KEY_SYNC_GROUP)
+        except redis.RedisError as e:
+            log.warning("weight sync: could not withdraw the announcement: %s", e)
+        self.store = None

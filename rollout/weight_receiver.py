@@ -135,8 +135,7 @@ class WeightReceiver:
                 self.buckets = Buckets(manifest, self.device)
                 self.ready = None
         store.set(f"join/{rid}", b"1")
-        if "roster" not in wait_keys(store, ["roster", "closed"], timeout, any_of=True, cancelled=cancelled):
-            raise SyncAborted("closed before it formed")
+        wait_keys(store, ["roster"], timeout, cancelled=cancelled, poll_s=0.02)
         roster = [str(r) for r in msgpack.unpackb(store.get("roster"))]
         if rid not in roster:
             raise SyncAborted("not in the roster")
@@ -148,18 +147,19 @@ class WeightReceiver:
         try:
             n = 0
             while True:  # rounds come once per learner step: wait as long as the generation lives
-                got = wait_keys(store, [f"round/{n}", "closed"], float("inf"), any_of=True, cancelled=cancelled,
-                                poll_s=0.05)  # fmt: skip
-                if f"round/{n}" not in got:
+                wait_keys(store, [f"round/{n}"], float("inf"), cancelled=cancelled, poll_s=0.02)
+                header = msgpack.unpackb(store.get(f"round/{n}"))
+                if header.get("closed"):
                     raise SyncAborted("closed by the learner")
-                self._receive(store, pg, n, timeout, cancelled)
+                self._receive(store, pg, n, int(header["version"]), timeout, cancelled)
                 n += 1
         finally:
             pg.abort()
 
-    def _receive(self, store: Any, pg: Any, n: int, timeout: float, cancelled: Callable[[], bool]) -> None:
+    def _receive(
+        self, store: Any, pg: Any, n: int, version: int, timeout: float, cancelled: Callable[[], bool]
+    ) -> None:
         assert self.buckets is not None
-        version = int(msgpack.unpackb(store.get(f"round/{n}"))["version"])
         self.state = "receiving"
         t0 = time.perf_counter()
         ack: dict[str, Any] = {"ok": False, "checksum": None, "error": None}

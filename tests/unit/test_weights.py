@@ -30,9 +30,10 @@ def test_buckets_hold_one_dtype_and_respect_the_size() -> None:
             )
     assert ("float32", [0]) in m.buckets and ("float32", [2, 3]) in m.buckets  # 160 + 256 > 300: a new bucket
     assert ("bfloat16", [1, 4]) in m.buckets
-    # 8 bf16 elements (16 B), padded from 8 to a multiple of 2 -> 8; odd counts are padded to whole int32 words
+    # 8 bf16 elements are 16 B: whole int64 words already; other counts are padded to whole words
     assert m.bucket_numel(m.buckets.index(("bfloat16", [1, 4]))) == 8
     assert Manifest.plan([("x", torch.bfloat16, (3,))], 100).bucket_numel(0) == 4
+    assert Manifest.plan([("x", torch.float32, (3,))], 100).bucket_numel(0) == 4
 
 
 def test_manifest_round_trip_and_validation() -> None:
@@ -75,17 +76,19 @@ def test_checksum_sees_any_changed_word() -> None:
 
 def test_wait_keys_times_out_and_cancels() -> None:
     import datetime
+    import threading
 
     import torch.distributed as dist
 
-    store = dist.HashStore()
-    store.set_timeout(datetime.timedelta(seconds=1))
-    store.set("a", "1")
-    assert wait_keys(store, ["a"], 0.1) == ["a"]
-    assert wait_keys(store, ["a", "b"], 0.1, any_of=True) == ["a"]
-    with pytest.raises(SyncTimeout, match="b"):
-        wait_keys(store, ["a", "b"], 0.1)
-    from services.common.weights import SyncAborted
+    from services.common.weights import SyncAborted, present_keys
 
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    store.set("a", "1")
+    wait_keys(store, ["a"], 0.1)
+    with pytest.raises(SyncTimeout, match="b"):
+        wait_keys(store, ["a", "b"], 0.2, slice_s=0.05)
+    assert present_keys(store, ["a", "b"], 0.1) == ["a"]
     with pytest.raises(SyncAborted):
-        wait_keys(store, ["b"], float("inf"), cancelled=lambda: True)
+        wait_keys(store, ["b"], float("inf"), cancelled=lambda: True, slice_s=0.05)
+    threading.Timer(0.2, lambda: store.set("c", "1")).start()
+    wait_keys(store, ["a", "c"], 5.0)  # answered when "c" appears

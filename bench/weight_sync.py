@@ -1,0 +1,164 @@
+"""Weight sync: seconds per broadcast round of a 135M-parameter model to 1 and 2 replicas.
+
+Ours: `WeightSender.publish` (pack into buckets, checksum, gloo broadcast, receivers verify and
+acknowledge) to replicas that are separate processes running the real `WeightReceiver`.
+Limit: an in-process `copy_` of the same parameters into preallocated tensors (the same bytes moved
+once, no network, no checksum). fp32 and bf16, same run. Goal: ours / copy ≤ 2.0.
+Second reference (1 replica): a bare gloo broadcast of one flat buffer of the same bytes between two
+processes, nothing else: what the transport itself costs on this machine.
+Run: `python -m bench.weight_sync` (a random Llama with SmolLM2-135M's shapes: 135M parameters).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import Result, print_table
+
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)  # fmt: skip
+
+
+def receiver(name: str, url: str) -> None:
+    """A replica's sync side only: heartbeat + WeightReceiver, loading into nothing."""
+    from prometheus_client import CollectorRegistry
+
+    from rollout.metrics import RolloutMetrics
+    from rollout.settings import RolloutSettings
+    from rollout.weight_receiver import WeightReceiver
+    from services.common.schemas import ReplicaHeartbeat
+    from services.common.streams import REPLICA_KEY_PREFIX, connect, pack
+
+    s = RolloutSettings(replica_id=name, redis_url=url, sync_device="cpu")
+    client = connect(url)
+    r = WeightReceiver(s, client, RolloutMetrics(CollectorRegistry()))
+    stop = threading.Event()
+    threading.Thread(target=r.run, args=(stop,), daemon=True).start()
+    version = 0
+    while True:
+        got = r.take(lambda named, v: None)
+        version = got.version if got else version
+        hb = ReplicaHeartbeat(replica_id=name, host="127.0.0.1", port=1, weight_version=version, state="ready",
+                              sync_broadcast=True)  # fmt: skip
+        client.set(REPLICA_KEY_PREFIX + name, pack(hb), px=5000)
+        time.sleep(0.05)
+
+
+def raw_receiver(port: int, numel: int, dtype: str, rounds: int) -> None:
+    from services.common.weights import broadcast, dtype_of, make_group, store_client
+
+    pg = make_group(store_client("127.0.0.1", port, 60), 1, 2, 60, torch.device("cpu"))
+    buf = torch.empty(numel, dtype=dtype_of(dtype))
+    for _ in range(rounds):
+        broadcast(pg, buf, 60)
+    pg.abort()
+
+
+def raw_broadcast(numel: int, dtype: torch.dtype, repeats: int, env: dict[str, str]) -> float:
+    """Median seconds of a bare gloo broadcast of `numel` elements to one other process."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from services.common.weights import broadcast, make_group
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+    p = subprocess.Popen([sys.executable, "-m", "bench.weight_sync", "--raw", str(store.port), str(numel),
+                          str(dtype).removeprefix("torch."), str(repeats + 1)], env=env)  # fmt: skip
+    try:
+        pg = make_group(store, 0, 2, 60, torch.device("cpu"))
+        buf = torch.randn(numel).to(dtype)
+        broadcast(pg, buf, 60)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            broadcast(pg, buf, 60)
+            times.append(time.perf_counter() - t0)
+        p.wait(60)
+        pg.abort()
+        return statistics.median(times)
+    finally:
+        p.kill()
+
+
+def _model(dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(dtype)  # type: ignore[arg-type]
+
+
+def run(repeats: int = 5) -> list[Result]:
+    from prometheus_client import CollectorRegistry
+
+    from learner.settings import LearnerSettings
+    from learner.weight_sync import WeightSender
+    from services.common.redis_server import EmbeddedRedis
+    from services.common.streams import REPLICA_KEY_PREFIX, connect
+
+    results = []
+    with EmbeddedRedis(Path(tempfile.mkdtemp(prefix="dapo-bench-"))) as server:
+        client = connect(server.url)
+        env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        for dtype in (torch.float32, torch.bfloat16):
+            model = _model(dtype)
+            params = [p.detach() for p in model.parameters()]
+            mb = sum(p.numel() * p.element_size() for p in params) / 1e6
+            dst = [torch.empty_like(p) for p in params]
+            copies = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for d, p in zip(dst, params, strict=True):
+                    d.copy_(p)
+                copies.append(time.perf_counter() - t0)
+            copy_s = statistics.median(copies)
+            s = LearnerSettings(sync_port=0, sync_timeout_s=120)
+            sender = WeightSender(s, client, model, CollectorRegistry())
+            procs: list[subprocess.Popen[bytes]] = []
+            try:
+                for n in (1, 2):
+                    name = f"bench-{n}"
+                    procs.append(subprocess.Popen([sys.executable, "-m", "bench.weight_sync", "--receiver", name,
+                                                   server.url], env=env))  # fmt: skip
+                    while not client.exists(REPLICA_KEY_PREFIX + name):
+                        time.sleep(0.1)
+                    sender.publish(0)  # forms the group and allocates the receivers' buckets
+                    times = []
+                    for v in range(1, repeats + 1):
+                        t0 = time.perf_counter()
+                        wv = sender.publish(v)
+                        times.append(time.perf_counter() - t0)
+                        assert len(wv.replicas) == n, wv
+                    what = f"{str(dtype).removeprefix('torch.')} {mb:.0f} MB → {n} replica{'s' * (n > 1)}"
+                    results.append(Result("weight_sync", what, statistics.median(times), copy_s, "s/sync",
+                                          "in-process copy_ of the same bytes", "≤ 2.0"))  # fmt: skip
+                    if n == 1:
+                        numel = sum(p.numel() for p in params)
+                        raw = raw_broadcast(numel, dtype, repeats, env)
+                        results.append(Result("weight_sync", what, statistics.median(times), raw, "s/sync",
+                                              "bare gloo broadcast, same bytes"))  # fmt: skip
+            finally:
+                sender.close()
+                for p in procs:
+                    p.kill()
+                    p.wait()
+                client.delete(*[REPLICA_KEY_PREFIX + f"bench-{n}" for n in (1, 2)])
+    return results
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--receiver":
+        receiver(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 6 and sys.argv[1] == "--raw":
+        raw_receiver(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
+    else:
+        print_table(run())
