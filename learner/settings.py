@@ -50,5 +50,8 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     claim_idle_ms: int = Field(60_000, ge=0, description="Reclaim batches another learner left idle this long.")
     max_deliveries: int = Field(5, ge=1, description="A batch delivered more often goes to the dead letters.")
     max_batches: int | None = Field(None, ge=1, description="Stop after training this many batches.")
+    hold_after_max: bool = Field(
+        False, description="After --max-batches: keep serving metrics and the sync group until SIGTERM (dapo-mesh up)."
+    )
     seed: int = Field(0, description="Seed of the mini-batch shuffling.")
     dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port for a single process (0: free).")

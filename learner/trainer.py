@@ -146,6 +146,7 @@ class Trainer:
             "grad_norm": max(grad_norms) if grad_norms else 0.0,
             "lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.s.lr,
             "reward_mean": float(t.rewards.mean()),
+            "acc_mean": sum(sc.acc for g in batch.groups for sc in g.scores) / max(1, len(t)),
             "entropy": self._entropy,
         }
         return out

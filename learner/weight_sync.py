@@ -296,4 +296,4 @@ class WeightSender:
                 self.client.delete(KEY_SYNC_GROUP)
         except redis.RedisError as e:
             log.warning("weight sync: could not withdraw the announcement: %s", e)
-        self.store = None
+        self.store = None  # type: ignore[assignment]  # the port is free again

@@ -85,8 +85,8 @@ class Worker:
             if got is not None:
                 self._loaded(got.version, got.checksum, "broadcast", time.perf_counter() - t0)
                 return True
-        if self.s.weights_dir is None:
-            return False
+        if self.s.weights_dir is None or (self.receiver is not None and self.receiver.state != "idle"):
+            return False  # a member of the broadcast group gets every version from it: no snapshot reloads
         try:
             name = (self.s.weights_dir / "latest").read_text().strip()
         except FileNotFoundError:

@@ -117,6 +117,10 @@ def up(
     replicas: Annotated[int, typer.Option(help="Rollout replicas.")] = 1,
     engine: Annotated[str, typer.Option(help="Rollout engine: vllm or hf.")] = "vllm",
     check: Annotated[bool, typer.Option(help="Only prepare the model and check Redis and the transport.")] = False,
+    linger_s: Annotated[float, typer.Option(help="Keep the mesh up this long after the last step.")] = 0.0,
+    transport: Annotated[str, typer.Option(help="Weights to replicas: broadcast (gloo/NCCL) or filesystem.")] = (
+        "broadcast"
+    ),
 ) -> None:
     """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
     from services.mesh import Mesh, MeshConfig
@@ -125,10 +129,10 @@ def up(
         _check(redis_url, run_dir)
         return
     cfg = MeshConfig.tiny_preset(run_dir, steps=min(steps, 3)) if tiny else MeshConfig(run_dir=run_dir, steps=steps)
-    cfg.redis_url, cfg.replicas = redis_url, replicas
+    cfg.redis_url, cfg.replicas, cfg.linger_s, cfg.transport = redis_url, replicas, linger_s, transport
     if not tiny:
         cfg.engine = engine
-    mesh = Mesh(cfg, say=console.print)
+    mesh = Mesh(cfg, say=console.print, console=console if console.is_terminal else None)
     code = 1
     try:
         mesh.start()

@@ -4,14 +4,21 @@ replicas, learner — wired by settings, logs per service under the run director
     dapo-mesh up --steps 20                 # SmolLM2-135M-Instruct, reasoning-gym chain_sum, vLLM
     dapo-mesh up --tiny                     # a random tiny Llama, a few steps: a smoke test in a minute
 
-Weights reach the replicas through the filesystem transport: the learner writes an HF export after
-every batch (run_dir/learner/hf) and each replica loads the newest between engine calls.
+Weights reach the replicas by broadcast (gloo on CPU, NCCL on GPU) after every learner step; the
+learner also writes an HF snapshot per step (run_dir/learner/hf) that a late-joining replica starts
+from (`transport="filesystem"` makes the snapshot the only transport).
+
+While it runs: a live view (rich) of every service's health and metrics, `metrics.jsonl` (one line
+per learner step), `curves.png`, and `prometheus/` (the shipped local config + the services'
+addresses as file-based targets: `prometheus --config.file=RUN_DIR/prometheus/prometheus.yml`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,9 +26,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from services import curves
 from services.common.launch import ROOT, wait_ready
 from services.common.redis_server import EmbeddedRedis, die_with_parent, free_port
+from services.live import LiveView, ServiceState, mesh_numbers, scrape
+
+PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+JOBS = {"reward": "reward-server", "buffer": "buffer", "learner": "learner", "rollout": "rollout"}
 
 
 @dataclass
@@ -38,6 +51,8 @@ class MeshConfig:
     minibatches: int = 4
     lr: float = 1e-6
     dataset: str = "reasoning_gym:chain_sum"
+    transport: str = "broadcast"  # or "filesystem": replicas reload the learner's HF snapshots
+    linger_s: float = 0.0  # keep the mesh up this long after the last step
     extra: dict[str, list[str]] = field(default_factory=dict)  # more flags per service
 
     @classmethod
@@ -48,8 +63,8 @@ class MeshConfig:
 
 
 class Mesh:
-    def __init__(self, cfg: MeshConfig, say: Callable[[str], None] = print):
-        self.cfg, self.say = cfg, say
+    def __init__(self, cfg: MeshConfig, say: Callable[[str], None] = print, console: Any = None):
+        self.cfg, self.say, self.console = cfg, say, console  # a rich Console on a terminal: the live view
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: dict[str, int] = {}
         self.redis: EmbeddedRedis | None = None
@@ -97,41 +112,93 @@ class Mesh:
             "--run-dir", str(c.run_dir / "buffer"), "--dataset", c.dataset, "--n-samples", str(c.n_samples),
             "--batch-size", str(c.batch_size),
         ], url)  # fmt: skip
+        broadcast = c.transport == "broadcast"
         self._start("learner", "learner", [
             "--model-dir", str(model), "--run-dir", str(learner_dir), "--max-batches", str(c.steps),
             "--minibatches", str(c.minibatches), "--lr", str(c.lr), "--micro-batch-size", "4",
+            "--weight-sync", "broadcast" if broadcast else "none", "--sync-port", str(free_port()), "--hold-after-max",
         ], url)  # fmt: skip
         for i in range(c.replicas):
             self._start(f"rollout-{i}", "rollout", [
                 "--engine", c.engine, "--model-dir", str(model), "--reward-url",
                 f"http://127.0.0.1:{self.ports['reward']}", "--weights-dir", str(learner_dir / "hf"),
                 "--replica-id", f"rollout-{i}", "--max-response-tokens", str(c.max_response_tokens),
+                "--sync-broadcast" if broadcast else "--no-sync-broadcast",
             ], url)  # fmt: skip
+        self.write_prometheus_targets()
         for name in self.procs:
             self._wait_ready(name)
             self.say(f"ready: {name} (http://127.0.0.1:{self.ports[name]})")
 
+    def write_prometheus_targets(self) -> Path:
+        """RUN_DIR/prometheus: the shipped local config and rules, and this mesh's services as targets."""
+        out = self.cfg.run_dir / "prometheus"
+        (out / "targets").mkdir(parents=True, exist_ok=True)
+        shutil.copy(PROMETHEUS_DIR / "local.yml", out / "prometheus.yml")
+        shutil.copy(PROMETHEUS_DIR / "rules.yml", out / "rules.yml")
+        groups = [{"targets": [f"127.0.0.1:{port}"], "labels": {"job": JOBS[name.split("-")[0]], "service": name}}
+                  for name, port in self.ports.items()]  # fmt: skip
+        tmp = out / "targets" / ".mesh.json.tmp"
+        tmp.write_text(json.dumps(groups, indent=1))
+        tmp.replace(out / "targets" / "mesh.json")
+        return out
+
+    def scrape(self) -> list[ServiceState]:
+        return [scrape(name, self.ports[name], proc.poll() is None) for name, proc in self.procs.items()]
+
     def run(self) -> int:
-        """Until the learner has trained `steps` batches; returns the learner's exit code."""
+        """Until the learner has trained `steps` batches and every replica holds them; then `linger_s` more."""
         ledger = self.cfg.run_dir / "learner" / "trained.jsonl"
+        metrics = self.cfg.run_dir / "metrics.jsonl"
+        view = LiveView(self.cfg.steps)
         seen = 0
-        while (code := self.procs["learner"].poll()) is None:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.logs / name}.log")
-            lines = ledger.read_text().splitlines() if ledger.exists() else []
-            for line in lines[seen:]:
-                m = json.loads(line)
-                self.say(f"step {m['version']}/{self.cfg.steps}: reward {m['reward_mean']:+.3f}  "
-                         f"loss {m.get('loss', 0.0):+.4f}  entropy {m['entropy']:.3f}  "
-                         f"clip {m.get('clip_frac_upper', 0.0):.3f}  {m['seconds']:.1f} s")  # fmt: skip
-                with (self.cfg.run_dir / "metrics.jsonl").open("a") as f:
-                    f.write(line + "\n")
-            seen = len(lines)
-            time.sleep(1)
-        if code == 0:
+        live: Any = contextlib.nullcontext()
+        if self.console is not None:
+            from rich.live import Live
+
+            live = Live(view.render(), console=self.console, refresh_per_second=2, transient=False)
+        with live as screen:
+            while seen < self.cfg.steps:
+                for name, proc in self.procs.items():
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.logs / name}.log")
+                states = self.scrape()
+                lines = ledger.read_text().splitlines() if ledger.exists() else []
+                rows = [self.row(seen + i + 1, json.loads(line), states) for i, line in enumerate(lines[seen:])]
+                if rows:
+                    with metrics.open("a") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in rows)
+                    curves.plot(metrics, self.cfg.run_dir / "curves.png")
+                    if screen is None:
+                        for r in rows:
+                            self.say(self.line(r))
+                seen = len(lines)
+                view.update(states, rows[-1] if rows else None, seen)
+                if screen is not None:
+                    screen.update(view.render())
+                time.sleep(1)
             self.wait_replicas_synced()
-        return code
+            deadline = time.monotonic() + self.cfg.linger_s
+            while time.monotonic() < deadline:  # for a last look (Prometheus, Grafana, the live view)
+                view.update(self.scrape(), None, seen)
+                if screen is not None:
+                    screen.update(view.render())
+                time.sleep(1)
+        return 0
+
+    @staticmethod
+    def row(step: int, m: dict[str, Any], states: list[ServiceState]) -> dict[str, Any]:
+        """One line of metrics.jsonl: the learner's step, and the mesh's numbers at that moment."""
+        m = dict(m)
+        version = m.pop("version")
+        m.pop("pid", None)
+        mesh = {k: v for k, v in mesh_numbers(states).items() if v == v}  # NaN: not known yet
+        return {"step": step, "policy_version": version, **m, **mesh}
+
+    def line(self, r: dict[str, Any]) -> str:
+        return (f"step {r['step']}/{self.cfg.steps} (version {r['policy_version']}): reward {r['reward_mean']:+.3f}  "
+                f"acc {r['acc_mean']:.3f}  entropy {r['entropy']:.3f}  clip {r.get('clip_frac_upper', 0.0):.3f}  "
+                f"filtered {r.get('filtered_frac', float('nan')):.0%}  {r['seconds']:.1f} s")  # fmt: skip
 
     def wait_replicas_synced(self, timeout_s: float = 60) -> None:
         """The run ends with every replica holding the final weights (they load them between calls)."""

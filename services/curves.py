@@ -1,0 +1,45 @@
+"""Training curves of a run as one PNG: `plot(run_dir / "metrics.jsonl", run_dir / "curves.png")`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+PANELS = [  # (title, [(key in metrics.jsonl, label)])
+    ("reward", [("reward_mean", "batch reward")]),
+    ("accuracy", [("acc_mean", "batch accuracy"), ("eval_acc", "held-out avg@k")]),
+    ("entropy", [("entropy", "token entropy")]),
+    ("clip fraction", [("clip_frac_upper", "upper (1+ε_high)"), ("clip_frac_lower", "lower (1−ε_low)")]),
+    ("filtered by dynamic sampling", [("filtered_frac", "fraction of groups")]),
+    ("seconds per step", [("seconds", "learner"), ("sync_seconds", "weight sync")]),
+]
+
+
+def plot(metrics: Path, out: Path) -> Path | None:
+    """Write the curves; None when there is nothing to plot yet."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
+    for ax, (title, series) in zip(axes.flat, PANELS, strict=True):
+        for key, label in series:
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and not math.isnan(r[key])]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("learner step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"dapo-mesh run: {metrics.parent.name}")
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(out)
+    return out
