@@ -54,17 +54,49 @@ def redis(
 
 @app.command()
 def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
-    """Show the mesh's streams: length, consumer groups, pending, lag, dead letters."""
+    """Show a running mesh's state from Redis: versions, weight sync, replicas, streams and dead letters."""
+    import time
+
+    from services.common.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
     from services.common.stream_admin import stream_stats
     from services.common.streams import (
         DEAD_LETTER_STREAM,
+        KEY_POLICY_VERSION,
+        KEY_SYNC_GROUP,
+        KEY_WEIGHTS,
+        REPLICA_KEY_PREFIX,
         STREAM_BATCHES,
         STREAM_PROMPTS,
         STREAM_ROLLOUTS,
         connect,
+        unpack,
     )
 
     client = connect(redis_url or "redis://127.0.0.1:6379/0", retries=1)
+    version = client.get(KEY_POLICY_VERSION)
+    console.print(f"learner policy version: [bold]{int(version) if version is not None else '-'}[/]")
+    if raw := client.get(KEY_WEIGHTS):
+        wv = unpack(raw, WeightVersion)
+        console.print(
+            f"weights broadcast: version {wv.version} to {', '.join(wv.replicas) or 'no replica'} "
+            f"in {wv.sync_seconds:.2f} s, checksum {wv.checksum}, {time.time() - wv.created_at:.0f} s ago"
+        )
+    if raw := client.get(KEY_SYNC_GROUP):
+        sg = unpack(raw, SyncGroup)
+        console.print(
+            f"sync group: generation {sg.generation} at {sg.host}:{sg.port}, invited {', '.join(sg.candidates)}"
+        )
+    replicas = Table(
+        "replica", "state", "version", "checksum", "tokens/s", "broadcast", "heartbeat age", title="replicas"
+    )
+    for key in sorted(client.scan_iter(match=REPLICA_KEY_PREFIX + "*")):
+        if (raw := client.get(key)) is None:
+            continue
+        hb = unpack(raw, ReplicaHeartbeat)
+        replicas.add_row(hb.replica_id, hb.state, str(hb.weight_version), str(hb.weight_checksum or "-"),
+                         f"{hb.tokens_per_s:.0f}", "yes" if hb.sync_broadcast else "no",
+                         f"{time.time() - hb.timestamp:.0f} s")  # fmt: skip
+    console.print(replicas)
     table = Table("stream", "length", "group", "consumers", "pending", "lag")
     for name in (STREAM_PROMPTS, STREAM_ROLLOUTS, STREAM_BATCHES, DEAD_LETTER_STREAM):
         st = stream_stats(client, name)

@@ -40,9 +40,9 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-KEY_SYNC_GENERATION = "dapo:sync:generation"
-KEY_SYNC_GROUP = "dapo:sync:group"
-KEY_WEIGHTS = "dapo:weights"
+from services.common.streams import KEY_SYNC_GENERATION, KEY_SYNC_GROUP, KEY_WEIGHTS
+
+__all__ = ["KEY_SYNC_GENERATION", "KEY_SYNC_GROUP", "KEY_WEIGHTS"]  # defined with the other Redis keys
 CHECKSUM_MASK = (1 << 63) - 1
 
 

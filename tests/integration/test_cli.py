@@ -80,6 +80,29 @@ def test_status_shows_groups_pending_and_lag(embedded_redis) -> None:
     assert cells == [STREAM_ROLLOUTS, "5", "buffer", "1", "2", "3"]  # length, group, consumers, pending, lag
 
 
+def test_status_shows_versions_sync_and_replicas(embedded_redis) -> None:
+    from services.common.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
+    from services.common.streams import KEY_POLICY_VERSION, KEY_SYNC_GROUP, KEY_WEIGHTS, REPLICA_KEY_PREFIX, pack
+
+    client = connect(embedded_redis.url)
+    keys = [KEY_POLICY_VERSION, KEY_WEIGHTS, KEY_SYNC_GROUP, REPLICA_KEY_PREFIX + "r-7"]
+    client.set(keys[0], 12)
+    client.set(keys[1], pack(WeightVersion(version=12, step=48, checksum=987654, replicas=["r-7"], sync_seconds=0.4)))
+    client.set(keys[2], pack(SyncGroup(generation=3, host="10.0.0.5", port=29600, candidates=["r-7"], timeout_s=60)))
+    hb = ReplicaHeartbeat(replica_id="r-7", host="h", port=1, weight_version=11, state="ready", weight_checksum=555,
+                          sync_broadcast=True, tokens_per_s=240.0)  # fmt: skip
+    client.set(keys[3], pack(hb))
+    root = Path(__file__).resolve().parents[2]
+    r = run(["status", "--redis-url", embedded_redis.url], cwd=root, PYTHONPATH=str(root))
+    client.delete(*keys)
+    assert r.returncode == 0, r.stderr
+    assert "learner policy version: 12" in r.stdout
+    assert "weights broadcast: version 12 to r-7" in r.stdout and "checksum 987654" in r.stdout
+    assert "generation 3 at 10.0.0.5:29600" in r.stdout
+    [row] = [ln for ln in r.stdout.splitlines() if "r-7" in ln and "│" in ln]
+    assert [c.strip() for c in row.split("│")[1:6]] == ["r-7", "ready", "11", "555", "240"]
+
+
 def test_prepare_model_from_a_local_hf_folder(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
