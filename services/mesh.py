@@ -34,6 +34,7 @@ from services.common.redis_server import EmbeddedRedis, die_with_parent, free_po
 from services.live import LiveView, ServiceState, mesh_numbers, scrape
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+SCRAPE_EVERY_S = 5.0  # the live view's refresh of health and metrics (and at every new learner step)
 JOBS = {"reward": "reward-server", "buffer": "buffer", "learner": "learner", "rollout": "rollout"}
 
 
@@ -152,6 +153,8 @@ class Mesh:
         metrics = self.cfg.run_dir / "metrics.jsonl"
         view = LiveView(self.cfg.steps)
         seen = 0
+        states: list[ServiceState] = []
+        next_scrape = 0.0
         live: Any = contextlib.nullcontext()
         if self.console is not None:
             from rich.live import Live
@@ -162,8 +165,9 @@ class Mesh:
                 for name, proc in self.procs.items():
                     if proc.poll() is not None:
                         raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.logs / name}.log")
-                states = self.scrape()
                 lines = ledger.read_text().splitlines() if ledger.exists() else []
+                if len(lines) > seen or time.monotonic() >= next_scrape:  # scraping costs CPU the mesh needs
+                    states, next_scrape = self.scrape(), time.monotonic() + SCRAPE_EVERY_S
                 rows = [self.row(seen + i + 1, json.loads(line), states) for i, line in enumerate(lines[seen:])]
                 if rows:
                     with metrics.open("a") as f:

@@ -37,12 +37,6 @@ SOURCE = load_source("reasoning_gym:chain_sum", size=300, seed=3, eval_size=5, c
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis(tmp_path / "redis") as s:  # a Redis of its own: the stream names are global
-        yield s
-
-
-@pytest.fixture
 def client(server: EmbeddedRedis) -> Iterator[redis.Redis]:
     c = connect(server.url)
     yield c

@@ -17,11 +17,6 @@ from rollout.engine import Completion, HFEngine, SamplingParams, encode_prompt
 from services.common.launch import ROOT
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "m", hidden=256, tokenizer=True)  # head_dim 64 for vLLM
-
-
 def reference_logprobs(model_dir: Path, prompt: list[int], c: Completion) -> list[float]:
     from transformers import AutoModelForCausalLM
 

@@ -8,14 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from learner.tiny import tiny_llama
-from services.common.launch import ROOT, running
+from services.common.launch import ROOT
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup
 from services.common.streams import (
@@ -28,23 +26,6 @@ from services.common.streams import (
     ensure_group,
     unpack,
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "m", hidden=256, tokenizer=True)  # head_dim 64 for vLLM
-
-
-@pytest.fixture(scope="module")
-def reward_url() -> Iterator[str]:
-    with running("reward_server", "--workers", "1", ready_path="/readyz") as (base, _):
-        yield base
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis(tmp_path / "redis") as s:
-        yield s
 
 
 def tasks(n: int, g: int = 3) -> list[PromptTask]:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,10 @@ from prometheus_client import CollectorRegistry
 
 from learner import checkpoint
 from learner.settings import LearnerSettings
-from learner.tiny import tiny_batch, tiny_llama
+from learner.tiny import tiny_batch
 from learner.trainer import Trainer
 from learner.weight_sync import WeightSender
-from services.common.launch import ROOT, running
+from services.common.launch import ROOT
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup, SyncGroup, WeightVersion
 from services.common.streams import (
@@ -39,23 +38,6 @@ from services.common.weights import KEY_SYNC_GROUP, KEY_WEIGHTS, Buckets, checks
 
 TIMEOUT_S = 8.0
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "m", hidden=256, tokenizer=True)  # head_dim 64 for vLLM
-
-
-@pytest.fixture(scope="module")
-def reward_url() -> Iterator[str]:
-    with running("reward_server", "--workers", "1", ready_path="/readyz") as (base, _):
-        yield base
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis(tmp_path / "redis") as s:
-        yield s
 
 
 def start_replica(model_dir: Path, url: str, reward: str, name: str, engine: str, *extra: str) -> subprocess.Popen:

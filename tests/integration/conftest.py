@@ -1,0 +1,29 @@
+"""Fixtures of the rollout and weight-sync tests: a tiny Llama vLLM can load, a reward server, a fresh Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from learner.tiny import tiny_llama
+from services.common.launch import running
+from services.common.redis_server import EmbeddedRedis
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "m", hidden=256, tokenizer=True)  # head_dim 64 for vLLM
+
+
+@pytest.fixture(scope="module")
+def reward_url() -> Iterator[str]:
+    with running("reward_server", "--workers", "1", ready_path="/readyz") as (base, _):
+        yield base
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(tmp_path / "redis") as s:
+        yield s
