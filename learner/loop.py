@@ -70,7 +70,7 @@ def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
             safe_trim(client, STREAM_BATCHES, keep_last=s.keep_batches)  # a batch is ~B x G x 4 KB
 
         with open(s.run_dir / "trained.jsonl", "a") as ledger:
-            while not stop.is_set() and (s.max_batches is None or trained_now < s.max_batches):
+            while not stop.is_set() and (s.max_batches is None or state.version < s.max_batches):
                 groups = stream_stats(client, STREAM_BATCHES).groups
                 metrics.batches_pending.set(sum((g.lag or 0) + g.pending for g in groups if g.name == GROUP_LEARNER))
                 for d in consumer.read(count=1, block_ms=1000):
@@ -102,8 +102,9 @@ def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
                             checkpoint_dir=str(snapshot) if snapshot else None,
                         )
                         m = m | {"sync_seconds": wv.sync_seconds, "sync_replicas": len(wv.replicas)}
-                    ledger.write(json.dumps({"batch_id": batch.batch_id, "version": state.version, "pid": os.getpid(),
-                                             "lag": lag, **m}) + "\n")  # fmt: skip
+                    entry = {"batch_id": batch.batch_id, "version": state.version, "pid": os.getpid(), "lag": lag, **m,
+                             "task_ids": [g.group_id for g in batch.groups]}  # fmt: skip  # the audit reads these
+                    ledger.write(json.dumps(entry) + "\n")
                     ledger.flush()
                     unacked.append(d.entry_id)
                     trained_now += 1

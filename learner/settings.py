@@ -49,7 +49,9 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     consumer_name: str = Field("learner-0", description="Consumer name in the batches stream's group.")
     claim_idle_ms: int = Field(60_000, ge=0, description="Reclaim batches another learner left idle this long.")
     max_deliveries: int = Field(5, ge=1, description="A batch delivered more often goes to the dead letters.")
-    max_batches: int | None = Field(None, ge=1, description="Stop after training this many batches.")
+    max_batches: int | None = Field(
+        None, ge=1, description="Stop once the weights hold this many batches (counted over restarts: the version)."
+    )
     hold_after_max: bool = Field(
         False, description="After --max-batches: keep serving metrics and the sync group until SIGTERM (dapo-mesh up)."
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -39,7 +40,6 @@ from services.common.weights import (
     checksum,
     dtype_of,
     make_group,
-    present_keys,
     total,
 )
 
@@ -200,7 +200,7 @@ class WeightSender:
         ps.set("manifest", self.manifest.to_bytes())
         self.client.set(KEY_SYNC_GROUP, pack(SyncGroup(generation=number, host=self.s.sync_host, port=self.port,
                                                        candidates=members, timeout_s=self.timeout_s)))  # fmt: skip
-        joined = {k.removeprefix("join/") for k in present_keys(ps, [f"join/{r}" for r in members], self.timeout_s)}
+        joined = self._await(ps, {r: f"join/{r}" for r in members}, beats)
         self._set_aside([r for r in members if r not in joined], beats)
         roster = [r for r in members if r in joined]
         ps.set("roster", msgpack.packb(roster))
@@ -228,19 +228,20 @@ class WeightSender:
         gen.store.set(key, msgpack.packb({"version": version}))
         sums: list[int] = []
         error: Exception | None = None
+        gone = self._gone_check(beats)
         try:
             for b in range(len(self.manifest.buckets)):
                 buf = self._pack(b)
                 sums.append(checksum(buf))
-                broadcast(gen.pg, buf, self.timeout_s)
+                broadcast(gen.pg, buf, self.timeout_s, interrupted=lambda: bool(gone(gen.members)))
         except Exception as e:  # noqa: BLE001 -- a peer died or stalled: abort so the others stop waiting
             error = e
+            gen.store.set(f"{key}/abort", b"1")  # the survivors stop waiting and acknowledge (not ok)
             gen.pg.abort()
             log.warning("weight sync: round %d (version %d) broken: %s", gen.round, version, e)
         if error is None:
             gen.store.set(f"{key}/sums", msgpack.packb(sums))
-        acks = present_keys(gen.store, [f"{key}/ack/{r}" for r in gen.members], self.timeout_s)
-        answered = {k.rsplit("/", 1)[1] for k in acks}
+        answered = self._await(gen.store, {r: f"{key}/ack/{r}" for r in gen.members}, beats)
         good = []
         for r in answered:
             a = msgpack.unpackb(gen.store.get(f"{key}/ack/{r}"))
@@ -256,6 +257,43 @@ class WeightSender:
         self.m.failures.inc()
         self._close()  # rebuilt from who is alive: at once when live members still lack this version
         return sorted(good), sums if error is None else [], bool(dropped) and len(good) < len(answered)
+
+    def _gone_check(self, beats: dict[str, ReplicaHeartbeat]) -> Callable[[list[str]], list[str]]:
+        """A function telling which of some members have died: heartbeat expired, or a new process under the
+        same id (a restart is a new member). It reads the heartbeats at most once a second."""
+        last = [time.monotonic()]
+        seen: dict[str, ReplicaHeartbeat] = {}
+
+        def gone(members: list[str]) -> list[str]:
+            if time.monotonic() - last[0] >= 1.0:
+                last[0] = time.monotonic()
+                seen.clear()
+                seen.update(self.heartbeats())
+                dead = [r for r in members if r not in seen
+                        or (r in beats and seen[r].incarnation != beats[r].incarnation)]  # fmt: skip
+                for r in dead:
+                    log.warning("weight sync: %s is gone (%s)", r, "heartbeat expired" if r not in seen
+                                else "a new process has its id")  # fmt: skip
+                return dead
+            return []
+
+        return gone
+
+    def _await(self, store: Any, keys: dict[str, str], beats: dict[str, ReplicaHeartbeat]) -> set[str]:
+        """The members whose key appeared within the timeout; stops waiting early for members that died."""
+        deadline = time.monotonic() + self.timeout_s
+        waiting = dict(keys)
+        arrived: set[str] = set()
+        gone = self._gone_check(beats)
+        while waiting and time.monotonic() < deadline:
+            for r, k in list(waiting.items()):
+                if store.check([k]):
+                    arrived.add(r)
+                    del waiting[r]
+            for r in gone(list(waiting)):
+                del waiting[r]
+            time.sleep(0.02)
+        return arrived
 
     def _pack(self, b: int) -> torch.Tensor:
         dt, idx = self.manifest.buckets[b]

@@ -166,8 +166,9 @@ class WeightReceiver:
         with self.lock:
             self.ready = None  # the buckets are about to be overwritten
             try:
+                aborted = f"round/{n}/abort"
                 for buf in self.buckets.buffers:
-                    broadcast(pg, buf, timeout)
+                    broadcast(pg, buf, timeout, interrupted=lambda: store.check([aborted]) or cancelled())
                 wait_keys(store, [f"round/{n}/sums"], timeout, cancelled=cancelled)
                 sums = [int(x) for x in msgpack.unpackb(store.get(f"round/{n}/sums"))]
                 mine = [checksum(buf) for buf in self.buckets.buffers]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 import redis
 
@@ -45,6 +46,7 @@ class Worker:
         self.s, self.client, self.engine, self.reward, self.m = s, client, engine, reward, metrics
         self.receiver = receiver
         self.checksum: int | None = None  # of the broadcast weights the engine holds (None: from a snapshot)
+        self.incarnation = uuid.uuid4().hex[:12]
         self.consumer = StreamConsumer(client, STREAM_PROMPTS, GROUP_ROLLOUT, s.replica_id, PromptTask,
                                        claim_idle_ms=s.claim_idle_ms, registry=metrics.registry)  # fmt: skip
         self.params = SamplingParams(s.temperature, s.top_p, s.max_response_tokens, s.seed)
@@ -58,7 +60,7 @@ class Worker:
         hb = ReplicaHeartbeat(replica_id=self.s.replica_id, host=self.s.host, port=self.s.port,
                               weight_version=self.engine.version, tokens_per_s=self.tokens_per_s,
                               state=self.state, weight_checksum=self.checksum,
-                              sync_broadcast=self.receiver is not None)  # type: ignore[arg-type]  # fmt: skip
+                              sync_broadcast=self.receiver is not None, incarnation=self.incarnation)  # type: ignore[arg-type]  # fmt: skip
         self.client.set(REPLICA_KEY_PREFIX + self.s.replica_id, pack(hb), px=int(self.s.heartbeat_ttl_s * 1000))
 
     def heartbeat_forever(self, stop: threading.Event) -> None:

@@ -127,6 +127,45 @@ for _name, _module, _what in (
     _passthrough(_name, _module, _what)
 
 
+@app.command()
+def audit(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory of a (stopped) `dapo-mesh up`.")] = RUN_DIR,
+    redis_url: Annotated[
+        str | None, typer.Option(help="The mesh's Redis; unset: start the run's embedded Redis from its AOF.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Account for every dispatched prompt: trained, in a batch, dropped (why), pending, dead-lettered —
+    or vanished. Exit code 1 if anything vanished, a batch is in the weights twice, or a group is in two batches."""
+    from services.audit import PLACES
+    from services.audit import audit as run_audit
+    from services.common.redis_server import EmbeddedRedis
+    from services.common.streams import connect
+
+    server = None if redis_url else EmbeddedRedis(run_dir / "redis")
+    try:
+        url = redis_url or server.start()  # type: ignore[union-attr]
+        report = run_audit(connect(url, retries=2), run_dir)
+    finally:
+        if server:
+            server.stop()
+    if as_json:
+        print(report.to_json())
+    else:
+        table = Table("where", "prompts", title=f"{report.dispatched} prompts dispatched")
+        for place in PLACES:
+            table.add_row(place, str(report.places.get(place, 0)))
+        console.print(table)
+        console.print(f"dropped by reason: {report.dropped_by_reason}")
+        console.print(f"batches in the weights: {report.batches_trained}; trained twice: "
+                      f"{report.batches_trained_twice or 'none'}; groups in two batches: "
+                      f"{report.groups_in_two_batches or 'none'}; trainings lost in learner crashes: "
+                      f"{report.trainings_lost_in_crashes}; dead letters: {report.dead_letters}; "
+                      f"restarts: {report.restarts or 'none'}")  # fmt: skip
+        console.print("[green]balanced[/]" if report.balanced else f"[red]NOT balanced[/]: vanished {report.vanished}")
+    raise typer.Exit(0 if report.balanced else 1)
+
+
 @app.command("prepare-model")
 def prepare_model(
     out: Annotated[Path, typer.Option(help="Output folder.")] = RUN_DIR / "models/smollm2-135m-instruct",
@@ -144,7 +183,9 @@ def prepare_model(
 def up(
     redis_url: RedisUrl = None,
     run_dir: Annotated[Path, typer.Option(help="Run directory (Redis AOF, models, logs, checkpoints).")] = RUN_DIR,
-    steps: Annotated[int, typer.Option(help="Learner batches to train before stopping.")] = 20,
+    steps: Annotated[
+        int | None, typer.Option(help="Learner batches to train before stopping (default 20; 3 with --tiny).")
+    ] = None,
     tiny: Annotated[bool, typer.Option(help="A random tiny Llama and a few steps: a smoke test.")] = False,
     replicas: Annotated[int, typer.Option(help="Rollout replicas.")] = 1,
     engine: Annotated[str, typer.Option(help="Rollout engine: vllm or hf.")] = "vllm",
@@ -160,7 +201,7 @@ def up(
     if check:
         _check(redis_url, run_dir)
         return
-    cfg = MeshConfig.tiny_preset(run_dir, steps=min(steps, 3)) if tiny else MeshConfig(run_dir=run_dir, steps=steps)
+    cfg = MeshConfig.tiny_preset(run_dir, steps=steps or 3) if tiny else MeshConfig(run_dir=run_dir, steps=steps or 20)
     cfg.redis_url, cfg.replicas, cfg.linger_s, cfg.transport = redis_url, replicas, linger_s, transport
     if not tiny:
         cfg.engine = engine

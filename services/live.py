@@ -30,6 +30,7 @@ class ServiceState:
     ready: bool = False
     detail: str = ""
     metrics: Samples = field(default_factory=dict)
+    restarts: int = 0  # by the mesh's supervisor
 
 
 def scrape(name: str, port: int, alive: bool, timeout_s: float = 1.0) -> ServiceState:
@@ -115,8 +116,8 @@ class LiveView:
             _fmt(n.get("rollout_tokens_per_s"), ".0f"), _fmt(m.get("tokens_per_s"), ".0f"),
             _fmt(m.get("sync_seconds"), ".2f"),
         )  # fmt: skip
-        health = Table("service", "port", "state", "detail", title="services", title_justify="left")
+        health = Table("service", "port", "state", "restarts", "detail", title="services", title_justify="left")
         for st in self.states:
             state = "[green]ready" if st.ready else "[red]down" if not st.alive else "[yellow]not ready"
-            health.add_row(st.name, str(st.port), state, st.detail[:60])
+            health.add_row(st.name, str(st.port), state, str(st.restarts), st.detail[:60])
         return Group(self.progress, train, health)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -29,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from services import curves
-from services.common.launch import ROOT, wait_ready
+from services.common.launch import ROOT, child_env, wait_ready
 from services.common.redis_server import EmbeddedRedis, die_with_parent, free_port
 from services.live import LiveView, ServiceState, mesh_numbers, scrape
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+RESTART_BACKOFF_S, RESTART_BACKOFF_MAX_S = 1.0, 30.0  # 1, 2, 4, ... s before restarting a service again
 SCRAPE_EVERY_S = 5.0  # the live view's refresh of health and metrics (and at every new learner step)
 JOBS = {"reward": "reward-server", "buffer": "buffer", "learner": "learner", "rollout": "rollout"}
 
@@ -54,6 +54,7 @@ class MeshConfig:
     dataset: str = "reasoning_gym:chain_sum"
     transport: str = "broadcast"  # or "filesystem": replicas reload the learner's HF snapshots
     linger_s: float = 0.0  # keep the mesh up this long after the last step
+    max_restarts: int = 10  # per service; 0: the first exit stops the mesh
     extra: dict[str, list[str]] = field(default_factory=dict)  # more flags per service
 
     @classmethod
@@ -67,6 +68,9 @@ class Mesh:
     def __init__(self, cfg: MeshConfig, say: Callable[[str], None] = print, console: Any = None):
         self.cfg, self.say, self.console = cfg, say, console  # a rich Console on a terminal: the live view
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.cmds: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self.restarts: dict[str, int] = {}
+        self.down_since: dict[str, float] = {}
         self.ports: dict[str, int] = {}
         self.redis: EmbeddedRedis | None = None
         self.url = ""
@@ -84,12 +88,55 @@ class Mesh:
 
     def _start(self, name: str, module: str, args: list[str], url: str) -> None:
         port = self.ports[name] = free_port()
-        env = os.environ | {"PYTHONPATH": str(ROOT), "DAPO_REDIS_URL": url, "OMP_NUM_THREADS": "1"}
-        log = (self.logs / f"{name}.log").open("ab")
+        env = child_env(DAPO_REDIS_URL=url, OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", module, "--port", str(port), *args, *self.cfg.extra.get(name.split("-")[0], [])]
-        self.procs[name] = subprocess.Popen(
-            cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
-        )
+        self.cmds[name] = (cmd, env)
+        self._spawn(name)
+
+    def _spawn(self, name: str) -> None:
+        cmd, env = self.cmds[name]
+        with (self.logs / f"{name}.log").open("ab") as log:
+            self.procs[name] = subprocess.Popen(
+                cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            )
+        self._write_pids()
+
+    def _write_pids(self) -> None:
+        pids = {name: p.pid for name, p in self.procs.items()}
+        if self.redis is not None and self.redis.proc is not None:
+            pids["redis"] = self.redis.proc.pid
+        tmp = self.cfg.run_dir / ".pids.json.tmp"
+        tmp.write_text(json.dumps(pids))
+        tmp.replace(self.cfg.run_dir / "pids.json")
+
+    def supervise(self) -> None:
+        """The restart policy (like a container's `restart: on-failure`): a service that exits while the mesh
+        runs is started again with the same command, port and consumer name, after a backoff; so is the
+        embedded Redis (same port, same append-only file). Each restart is a line in supervisor.jsonl."""
+        now = time.monotonic()
+        dead = [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+        if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
+            dead.insert(0, ("redis", self.redis.proc.returncode))
+        for name, code in dead:
+            if name not in self.down_since:
+                self.down_since[name] = now
+                self.say(f"[yellow]{name} exited with code {code}[/]")
+            n = self.restarts.get(name, 0)
+            if n >= self.cfg.max_restarts:
+                raise RuntimeError(f"{name} exited {n + 1} times (code {code}); see {self.logs / name}.log")
+            if now - self.down_since[name] < min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2**n):
+                continue
+            if name == "redis":
+                assert self.redis is not None
+                self.redis.start()  # the same port and data dir: the streams come back from the AOF
+                self._write_pids()
+            else:
+                self._spawn(name)
+            self.restarts[name] = n + 1
+            del self.down_since[name]
+            with (self.cfg.run_dir / "supervisor.jsonl").open("a") as f:
+                f.write(json.dumps({"time": time.time(), "service": name, "exit_code": code, "restart": n + 1}) + "\n")
+            self.say(f"restarted {name} (restart {n + 1})")
 
     def _wait_ready(self, name: str, timeout_s: float = 600) -> None:
         url = f"http://127.0.0.1:{self.ports[name]}/readyz"
@@ -103,7 +150,9 @@ class Mesh:
         if c.redis_url:
             url = c.redis_url
         else:
-            self.redis = EmbeddedRedis(c.run_dir / "redis", tied_to_thread=True)  # started from the main thread
+            # started from the main thread (see tied_to_thread); fsync on every write: a killed Redis loses nothing
+            # it acknowledged, so the exactly-once bookkeeping of the buffer and learner survives it
+            self.redis = EmbeddedRedis(c.run_dir / "redis", tied_to_thread=True, appendfsync="always")
             url = self.redis.start()
         self.url = url
         self.say(f"redis: {url}")
@@ -145,14 +194,18 @@ class Mesh:
         return out
 
     def scrape(self) -> list[ServiceState]:
-        return [scrape(name, self.ports[name], proc.poll() is None) for name, proc in self.procs.items()]
+        states = [scrape(name, self.ports[name], proc.poll() is None) for name, proc in self.procs.items()]
+        for st in states:
+            st.restarts = self.restarts.get(st.name, 0)
+        return states
 
     def run(self) -> int:
         """Until the learner has trained `steps` batches and every replica holds them; then `linger_s` more."""
         ledger = self.cfg.run_dir / "learner" / "trained.jsonl"
         metrics = self.cfg.run_dir / "metrics.jsonl"
         view = LiveView(self.cfg.steps)
-        seen = 0
+        read = 0  # ledger lines read
+        version = 0  # the newest policy version in metrics.jsonl
         states: list[ServiceState] = []
         next_scrape = 0.0
         live: Any = contextlib.nullcontext()
@@ -161,14 +214,18 @@ class Mesh:
 
             live = Live(view.render(), console=self.console, refresh_per_second=2, transient=False)
         with live as screen:
-            while seen < self.cfg.steps:
-                for name, proc in self.procs.items():
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.logs / name}.log")
+            while version < self.cfg.steps:
+                self.supervise()
                 lines = ledger.read_text().splitlines() if ledger.exists() else []
-                if len(lines) > seen or time.monotonic() >= next_scrape:  # scraping costs CPU the mesh needs
+                if len(lines) > read or time.monotonic() >= next_scrape:  # scraping costs CPU the mesh needs
                     states, next_scrape = self.scrape(), time.monotonic() + SCRAPE_EVERY_S
-                rows = [self.row(seen + i + 1, json.loads(line), states) for i, line in enumerate(lines[seen:])]
+                rows = []
+                for line in lines[read:]:
+                    m = json.loads(line)
+                    if m["version"] > version:  # a version trained again after a learner crash: logged once
+                        version = m["version"]
+                        rows.append(self.row(version, m, states))
+                read = len(lines)
                 if rows:
                     with metrics.open("a") as f:
                         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -176,15 +233,14 @@ class Mesh:
                     if screen is None:
                         for r in rows:
                             self.say(self.line(r))
-                seen = len(lines)
-                view.update(states, rows[-1] if rows else None, seen)
+                view.update(states, rows[-1] if rows else None, version)
                 if screen is not None:
                     screen.update(view.render())
                 time.sleep(1)
             self.wait_replicas_synced()
             deadline = time.monotonic() + self.cfg.linger_s
             while time.monotonic() < deadline:  # for a last look (Prometheus, Grafana, the live view)
-                view.update(self.scrape(), None, seen)
+                view.update(self.scrape(), None, version)
                 if screen is not None:
                     screen.update(view.render())
                 time.sleep(1)
@@ -196,6 +252,7 @@ class Mesh:
         m = dict(m)
         version = m.pop("version")
         m.pop("pid", None)
+        m.pop("task_ids", None)
         mesh = {k: v for k, v in mesh_numbers(states).items() if v == v}  # NaN: not known yet
         return {"step": step, "policy_version": version, **m, **mesh}
 

@@ -28,7 +28,7 @@ from services.buffer.datasets import Item, Source
 from services.buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, pass_rate, version_lag
 from services.buffer.metrics import BufferMetrics
 from services.buffer.settings import BufferSettings
-from services.common.schemas import PromptTask, ScoredGroup, TrainBatch
+from services.common.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
 from services.common.stream_admin import safe_trim, stream_stats
 from services.common.streams import (
     GROUP_BUFFER,
@@ -36,6 +36,7 @@ from services.common.streams import (
     GROUP_ROLLOUT,
     KEY_POLICY_VERSION,
     STREAM_BATCHES,
+    STREAM_DROPPED,
     STREAM_PROMPTS,
     STREAM_ROLLOUTS,
     Delivery,
@@ -99,6 +100,7 @@ class Buffer:
         """Bound the streams' memory: drop old entries every group has acknowledged (never others)."""
         safe_trim(self.client, STREAM_PROMPTS, keep_last=self.s.keep_prompts)
         safe_trim(self.client, STREAM_ROLLOUTS, keep_last=self.s.keep_rollouts)
+        self.client.xtrim(STREAM_DROPPED, maxlen=self.s.keep_dropped, approximate=True)  # no group reads it
         self.last_trim = time.monotonic()
 
     # ------------------------------------------------------------------ dispatch
@@ -108,13 +110,16 @@ class Buffer:
             return int(self.client.get(KEY_POLICY_VERSION) or 0)
 
     def counts(self) -> tuple[int, int]:
-        """(outstanding: dispatched and not yet received, waiting: received and not yet in a batch)."""
+        """(outstanding: dispatched and not yet received, waiting: received and not yet trained — in the
+        carry, or in a published batch the learner has not finished: a stalled learner stops dispatch)."""
         prompts = {g.name: g for g in stream_stats(self.client, STREAM_PROMPTS).groups}
         rollouts = {g.name: g for g in stream_stats(self.client, STREAM_ROLLOUTS).groups}
-        p, r = prompts.get(GROUP_ROLLOUT), rollouts.get(GROUP_BUFFER)
+        batches = {g.name: g for g in stream_stats(self.client, STREAM_BATCHES).groups}
+        p, r, b = prompts.get(GROUP_ROLLOUT), rollouts.get(GROUP_BUFFER), batches.get(GROUP_LEARNER)
         outstanding = (p.lag or 0) + p.pending if p else 0
         outstanding += (r.lag or 0) if r else 0
         waiting = r.pending if r else 0
+        waiting += ((b.lag or 0) + b.pending) * self.s.batch_size if b else 0
         return outstanding, waiting
 
     def dispatch(self) -> int:
@@ -176,12 +181,12 @@ class Buffer:
     def accept(self, d: Delivery[ScoredGroup], version: int) -> None:
         g = d.message
         if g.group_id in self.published or any(c.message.group_id == g.group_id for c in self.carry):
-            self._drop(d, "duplicate")
+            self._drop(d, "duplicate", version)
             return
         self.m.received.inc()
         self.m.pass_rate.observe(pass_rate(g))
         if is_stale(g, version, self.s.max_staleness):
-            self._drop(d, "stale")
+            self._drop(d, "stale", version)
             return
         verdict = "keep"
         if self.s.dynamic_sampling:
@@ -189,7 +194,7 @@ class Buffer:
         self.recent.append(verdict == "keep")
         self.m.keep_ratio.set(sum(self.recent) / len(self.recent))
         if verdict != "keep":
-            self._drop(d, verdict)
+            self._drop(d, verdict, version)
             self._watch_degenerate(verdict)
             return
         self.filtered_streak = 0
@@ -204,10 +209,14 @@ class Buffer:
             gone = {d.entry_id for d in stale}
             self.carry = [d for d in self.carry if d.entry_id not in gone]
             for d in stale:
-                self._drop(d, "stale")
+                self._drop(d, "stale", version)
 
-    def _drop(self, d: Delivery[ScoredGroup], reason: str) -> None:
-        self.consumer.ack(d.entry_id)
+    def _drop(self, d: Delivery[ScoredGroup], reason: str, version: int) -> None:
+        """Acknowledge the group and record why, in one server-side step (the audit reads dapo:dropped)."""
+        g = d.message
+        record = DroppedGroup(task_id=g.task.task_id, prompt_id=g.task.prompt_id, reason=reason,
+                              replica_id=g.replica_id, min_version=g.min_version, at_version=version)  # fmt: skip
+        self.consumer.ack_and_publish([d.entry_id], [(STREAM_DROPPED, record)])
         self.m.filtered.labels(reason).inc()
 
     def _watch_degenerate(self, reason: str) -> None:

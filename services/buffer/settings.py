@@ -44,6 +44,7 @@ class BufferSettings(ServiceSettings, RedisSettings):
     trim_every_s: float = Field(30.0, ge=0, description="How often to trim acknowledged stream entries.")
     keep_prompts: int = Field(10_000, ge=0, description="Acknowledged prompts kept in dapo:prompts (history).")
     keep_rollouts: int = Field(256, ge=0, description="Acknowledged groups kept in dapo:rollouts (~70 KB each).")
+    keep_dropped: int = Field(100_000, ge=0, description="Records kept in dapo:dropped (~150 B each; the audit).")
     consumer_name: str = Field("buffer-0", description="Consumer name in the rollouts stream's group.")
     claim_idle_ms: int = Field(60_000, ge=0, description="Reclaim groups another buffer left idle this long.")
 

@@ -22,6 +22,15 @@ from services.common.redis_server import free_port
 ROOT = Path(__file__).resolve().parents[2]  # the checkout, so `python -m` finds the packages
 
 
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a service process: ours, without a torch.distributed world a parent may have
+    (an in-process DeepSpeed sets MASTER_PORT: a learner child would try to bind the same port), plus `extra`."""
+    return {k: v for k, v in os.environ.items() if k not in DIST_ENV} | {"PYTHONPATH": str(ROOT)} | extra
+
+
 def wait_ready(
     proc: subprocess.Popen[bytes],
     url: str,
@@ -59,7 +68,7 @@ def running(
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Yield (base URL, process); the process's stderr goes to `log` when given."""
     port = free_port()
-    e = os.environ | {"PYTHONPATH": str(ROOT)} | (env or {})
+    e = child_env(**(env or {}))
     stderr = log.open("wb") if log else None
     proc = subprocess.Popen([sys.executable, "-m", package, "--port", str(port), *args], env=e, cwd=ROOT, stderr=stderr)
     base = f"http://127.0.0.1:{port}"

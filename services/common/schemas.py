@@ -118,6 +118,18 @@ class ScoredGroup(Message):
         return self
 
 
+class DroppedGroup(Message):
+    """The buffer's record of a scored group it did not put in a batch (dynamic sampling, staleness,
+    duplicates): written to `dapo:dropped` in the same step that acknowledges the group."""
+
+    task_id: str = Field(min_length=1)
+    prompt_id: str = Field(min_length=1)
+    reason: str = Field(min_length=1, description="all_correct, all_wrong, no_variance, stale, duplicate, ...")
+    replica_id: str = Field(min_length=1)
+    min_version: int = Field(ge=0)
+    at_version: int = Field(ge=0, description="The learner's version when the group was dropped.")
+
+
 class TrainBatch(Message):
     """B scored groups that the learner trains on as one step (buffer -> learner)."""
 
@@ -190,12 +202,23 @@ class ReplicaHeartbeat(Message):
     state: Literal["starting", "ready", "syncing", "draining"] = "starting"
     weight_checksum: int | None = Field(None, ge=0, description="Checksum of the broadcast weights it serves.")
     sync_broadcast: bool = Field(False, description="Joins the learner's weight-broadcast group.")
+    incarnation: str = Field("", description="Random per process start: a restarted replica has a new one.")
     timestamp: float = Field(default_factory=time.time)
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.__name__: cls
-    for cls in (PromptTask, Sample, Score, ScoredGroup, TrainBatch, WeightVersion, ReplicaHeartbeat, SyncGroup)
+    for cls in (
+        PromptTask,
+        Sample,
+        Score,
+        ScoredGroup,
+        DroppedGroup,
+        TrainBatch,
+        WeightVersion,
+        ReplicaHeartbeat,
+        SyncGroup,
+    )
 }
 
 

@@ -6,6 +6,7 @@ import random
 import uuid
 
 from services.common.schemas import (
+    DroppedGroup,
     Message,
     PromptTask,
     ReplicaHeartbeat,
@@ -61,6 +62,8 @@ def example_messages() -> list[Message]:
         groups[0].samples[0],
         groups[0].scores[0],
         groups[0],
+        DroppedGroup(task_id="t0", prompt_id="p0", reason="all_correct", replica_id="rollout-0", min_version=0,
+                     at_version=1),
         TrainBatch.assemble(0, groups),
         WeightVersion(version=1, step=1, batch_id=0, checkpoint_dir="/tmp/ckpt/v1", checksum=12345,
                       replicas=["rollout-0"], sync_seconds=0.2),

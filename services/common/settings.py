@@ -60,7 +60,7 @@ class RedisSettings(DapoSettings):
     )
     redis_password: SecretStr | None = Field(None, description="Redis password (or put it in the URL).")
     redis_timeout_s: float = Field(10.0, gt=0, le=300, description="Timeout of every Redis socket wait.")
-    redis_retries: int = Field(5, ge=0, le=100, description="Retries with backoff before Redis counts as down.")
+    redis_retries: int = Field(10, ge=0, le=100, description="Retries with backoff before Redis counts as down.")
 
     def require_redis_url(self) -> str:
         if not self.redis_url:

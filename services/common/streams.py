@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 STREAM_PROMPTS = "dapo:prompts"
 STREAM_ROLLOUTS = "dapo:rollouts"
 STREAM_BATCHES = "dapo:batches"
+STREAM_DROPPED = "dapo:dropped"  # DroppedGroup records: what the buffer decided not to train, and why
 DEAD_LETTER_STREAM = "dapo:dead-letter"
 KEY_POLICY_VERSION = "dapo:policy_version"  # the learner's current version, an integer
 GROUP_ROLLOUT = "rollout"  # rollout servers, on the prompts stream

@@ -17,6 +17,7 @@ TCPStore (the learner's), keys under g<generation>/:
                                      or {closed: true}: the learner has ended this generation
          round/<n>/sums              msgpack [checksum per bucket], after the last bucket
          round/<n>/ack/<replica>     msgpack {ok, checksum, error}: the replica verified (or not) the round
+         round/<n>/abort             the learner gave up on the round (a member died): stop waiting, ack
 
 Every wait on either side has a deadline, and the store answers it when the key appears (no polling).
 A replica that does not join, or does not acknowledge a
@@ -168,12 +169,27 @@ def make_group(store: Any, rank: int, size: int, timeout_s: float, device: torch
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
+def broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
+    """Broadcast from rank 0. The wait is a poll, so that it can end early: `interrupted()` (asked every
+    20 ms) turning true raises SyncAborted — a peer's failure does not always reach the others' sockets,
+    so the learner says "abort" through the store. SyncTimeout at the deadline. The caller aborts the group."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
     opts.timeout = timedelta(seconds=timeout_s)
-    pg.broadcast([tensor], opts).wait(timedelta(seconds=timeout_s))
+    work = pg.broadcast([tensor], opts)
+    deadline = time.monotonic() + timeout_s
+    next_ask = 0.0
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= deadline:
+            raise SyncTimeout(f"broadcast of {tensor.numel()} elements took over {timeout_s:.0f} s")
+        if interrupted is not None and now >= next_ask:
+            if interrupted():
+                raise SyncAborted("the round was aborted")
+            next_ask = now + 0.02
+        time.sleep(0.001)
+    work.wait()  # raises what the transport raised (a peer's connection closed, ...)
     if tensor.is_cuda:
         torch.cuda.current_stream().synchronize()
 

@@ -53,15 +53,26 @@ def make_buffer(client: redis.Redis, **kw: object) -> Buffer:
 
 
 class Rollout:
-    """Answers prompts like a rollout server would; `accs(task, i)` decides each sample's correctness."""
+    """Answers prompts like a rollout server would; `accs(task, i)` decides each sample's correctness.
+    With `learns`, it also plays the learner: each serve acknowledges the published batches (the buffer
+    counts a batch against the staleness budget until the learner has it)."""
 
-    def __init__(self, client: redis.Redis, accs: Callable[[PromptTask, int], list[bool]], version: int = 0):
+    def __init__(self, client: redis.Redis, accs: Callable[[PromptTask, int], list[bool]], version: int = 0,
+                 learns: bool = True):  # fmt: skip
         self.consumer = StreamConsumer(client, STREAM_PROMPTS, "rollout", "fake", PromptTask)
         self.out = StreamProducer(client, STREAM_ROLLOUTS)
+        self.learner = StreamConsumer(client, STREAM_BATCHES, "learner", "fake-learner", TrainBatch) if learns else None
         self.accs, self.version, self.served = accs, version, 0
         self.groups: list[ScoredGroup] = []
 
+    def learn(self) -> None:
+        assert self.learner is not None
+        while got := self.learner.read(count=64, block_ms=1):
+            self.learner.ack(*[d.entry_id for d in got])
+
     def serve(self, limit: int = 10**9) -> int:
+        if self.learner is not None:
+            self.learn()
         n = 0
         for d in self.consumer.read(count=min(limit, 64), block_ms=50):
             t = d.message
@@ -155,10 +166,17 @@ def test_dispatch_stays_within_the_staleness_budget(client: redis.Redis) -> None
     for _ in range(4):
         buffer.step(block_ms=10)  # nobody serves the prompts
     assert client.xlen(STREAM_PROMPTS) == (2 + 1) * 4
-    Rollout(client, mixed).serve(limit=5)  # 5 groups come back: 4 make a batch, 1 waits
+    rollout = Rollout(client, mixed, learns=False)
+    rollout.serve(limit=5)  # 5 groups come back: 4 make a batch, 1 waits
     for _ in range(3):
         buffer.step(block_ms=10)
-    assert client.xlen(STREAM_PROMPTS) == 12 + 4  # only the 4 batched ones freed room
+    assert len(batches(client)) == 1
+    assert client.xlen(STREAM_PROMPTS) == 12  # the batch holds its room until the learner has trained it
+    rollout.learner = StreamConsumer(client, STREAM_BATCHES, "learner", "fake-learner", TrainBatch)
+    rollout.learn()  # the learner trains and acknowledges it
+    for _ in range(3):
+        buffer.step(block_ms=10)
+    assert client.xlen(STREAM_PROMPTS) == 12 + 4  # only the 4 trained ones freed room
 
 
 def test_cursor_survives_a_restart(client: redis.Redis, tmp_path: Path) -> None:

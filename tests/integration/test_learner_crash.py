@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from learner.tiny import tiny_batch, tiny_llama
-from services.common.launch import ROOT
+from services.common.launch import ROOT, child_env
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.streams import KEY_POLICY_VERSION, STREAM_BATCHES, StreamProducer, connect
 
@@ -22,8 +21,8 @@ from services.common.streams import KEY_POLICY_VERSION, STREAM_BATCHES, StreamPr
 def start_learner(model: Path, run_dir: Path, url: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
     args = ["--model-dir", str(model), "--run-dir", str(run_dir), "--redis-url", url, "--port", str(port),
             "--checkpoint-every", "3", "--minibatches", "2", "--micro-batch-size", "4", "--lr", "1e-3",
-            "--warmup-steps", "0", *extra]  # fmt: skip
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            "--warmup-steps", "0", "--sync-port", "0", *extra]  # fmt: skip
+    env = child_env(OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "learner", *args], env=env, cwd=ROOT)
 
 
@@ -67,12 +66,13 @@ def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tmp_path: 
         assert client.xpending(STREAM_BATCHES, "learner")["pending"] == 2  # 3 and 4: trained, never checkpointed
 
         producer.publish(tiny_batch(5))
-        second = start_learner(model, run_dir, server.url, free_port(), "--max-batches", "3")
+        second = start_learner(model, run_dir, server.url, free_port(), "--max-batches", "6")  # in the weights
         assert second.wait(300) == 0
         second_pid = second.pid
 
         entries = ledger(run_dir)
         assert [e["batch_id"] for e in entries if e["pid"] == second_pid] == [3, 4, 5]  # exactly the missing ones
+        assert all(len(e["task_ids"]) == 2 for e in entries)  # each line names the groups it trained
         final = state(run_dir)
         assert final["trained"] == [0, 1, 2, 3, 4, 5] and final["version"] == 6  # each batch once in the weights
         assert int(client.get(KEY_POLICY_VERSION)) == 6

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.common.launch import ROOT
+from services.common.launch import ROOT, child_env
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup
 from services.common.streams import (
@@ -41,7 +40,7 @@ def start(
     args = ["--engine", engine, "--model-dir", str(model_dir), "--redis-url", url, "--reward-url", reward,
             "--port", str(free_port()), "--replica-id", name, "--max-response-tokens", "16",
             "--prompts-per-call", "2", *extra]  # fmt: skip
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "rollout", *args], env=env, cwd=ROOT)
 
 

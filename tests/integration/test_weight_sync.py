@@ -4,7 +4,6 @@ rollout replicas started as `python -m rollout`; the new weights must reach the 
 from __future__ import annotations
 
 import importlib.util
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from learner.settings import LearnerSettings
 from learner.tiny import tiny_batch
 from learner.trainer import Trainer
 from learner.weight_sync import WeightSender
-from services.common.launch import ROOT
+from services.common.launch import ROOT, child_env
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup, SyncGroup, WeightVersion
 from services.common.streams import (
@@ -44,7 +43,7 @@ def start_replica(model_dir: Path, url: str, reward: str, name: str, engine: str
     args = ["--engine", engine, "--model-dir", str(model_dir), "--redis-url", url, "--reward-url", reward,
             "--port", str(free_port()), "--replica-id", name, "--max-response-tokens", "6", "--temperature", "0",
             "--prompts-per-call", "1", "--heartbeat-ttl-s", "3", *extra]  # fmt: skip
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "rollout", *args], env=env, cwd=ROOT)
 
 

@@ -1,0 +1,185 @@
+"""`dapo-mesh audit RUN_DIR`: does every dispatched prompt have an account?
+
+It reads the streams (prompts, rollouts, batches, dropped records, dead letters) and their consumer
+groups' pending lists from Redis, and the learner's checkpointed state and ledger from the run
+directory, and puts every dispatched prompt (task id) in exactly one place:
+
+    trained        in a batch whose update the checkpointed weights contain
+    in_batch       in a published batch the learner has not trained (yet)
+    dropped        the buffer decided not to train it, with the reason (dynamic sampling, stale, duplicate)
+    at_buffer      scored, waiting for the buffer (its pending list or unread)
+    at_rollout     not answered yet (the rollout group's pending list or unread)
+    dead_lettered  moved to the dead-letter stream
+    vanished       none of the above: a loss. Must be empty.
+
+It also checks that no batch id is in the weights twice and that no group is in two batches.
+The streams keep what the services' trimming settings keep: for a complete audit, run with trimming
+above the run's size (the chaos test does); anything trimmed is reported, not guessed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from services.common.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
+from services.common.streams import (
+    DEAD_LETTER_STREAM,
+    GROUP_BUFFER,
+    GROUP_ROLLOUT,
+    STREAM_BATCHES,
+    STREAM_DROPPED,
+    STREAM_PROMPTS,
+    STREAM_ROLLOUTS,
+    as_str,
+    decode,
+    parse_id,
+)
+
+PLACES = ("trained", "in_batch", "dropped", "at_buffer", "at_rollout", "dead_lettered", "vanished")
+
+
+@dataclass
+class AuditReport:
+    dispatched: int = 0
+    places: dict[str, int] = field(default_factory=dict)
+    dropped_by_reason: dict[str, int] = field(default_factory=dict)
+    vanished: list[str] = field(default_factory=list)
+    batches_trained: int = 0
+    batches_trained_twice: list[int] = field(default_factory=list)
+    groups_in_two_batches: list[str] = field(default_factory=list)
+    trainings_lost_in_crashes: int = 0  # ledger lines of batches trained again after a learner crash
+    dead_letters: int = 0
+    restarts: dict[str, int] = field(default_factory=dict)  # from the mesh's supervisor.jsonl
+    trimmed_prompts: bool = False
+
+    @property
+    def balanced(self) -> bool:
+        return not self.vanished and not self.batches_trained_twice and not self.groups_in_two_batches
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self) | {"balanced": self.balanced}, indent=1)
+
+
+def _entries(client: redis.Redis, stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
+    out: list[tuple[str, dict[bytes, bytes]]] = []
+    start = "-"
+    while True:
+        chunk = client.xrange(stream, min=start, count=1000)
+        if not chunk:
+            return out
+        out += [(as_str(i), f) for i, f in chunk]
+        last = parse_id(as_str(chunk[-1][0]))
+        start = f"{last[0]}-{last[1] + 1}"
+
+
+def _waiting(client: redis.Redis, stream: str, group: str) -> set[str]:
+    """Entry ids a group has not acknowledged: its pending list and what it has not read yet."""
+    ids: set[str] = set()
+    try:
+        groups = {as_str(g["name"]): g for g in client.xinfo_groups(stream)}
+    except redis.ResponseError:  # no such stream
+        return ids
+    if group not in groups:
+        return {i for i, _ in _entries(client, stream)}
+    last = parse_id(as_str(groups[group]["last-delivered-id"]))
+    start = "-"
+    while True:
+        pend = client.xpending_range(stream, group, min=start, max="+", count=1000)
+        if not pend:
+            break
+        ids |= {as_str(p["message_id"]) for p in pend}
+        tail = parse_id(as_str(pend[-1]["message_id"]))
+        start = f"{tail[0]}-{tail[1] + 1}"
+    for entry_id, _ in _entries(client, stream):
+        if parse_id(entry_id) > last:
+            ids.add(entry_id)
+    return ids
+
+
+def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
+    r = AuditReport()
+    prompts = [(i, decode(f, PromptTask)) for i, f in _entries(client, STREAM_PROMPTS)]
+    dispatched = {t.task_id for _, t in prompts}
+    r.dispatched = len(dispatched)
+    r.trimmed_prompts = bool(prompts) and int(client.xinfo_stream(STREAM_PROMPTS).get("entries-added", 0)) > len(
+        prompts
+    )
+    waiting_prompts = _waiting(client, STREAM_PROMPTS, GROUP_ROLLOUT)
+    at_rollout = {t.task_id for i, t in prompts if i in waiting_prompts}
+
+    waiting_groups = _waiting(client, STREAM_ROLLOUTS, GROUP_BUFFER)
+    at_buffer = {
+        decode(f, ScoredGroup).task.task_id for i, f in _entries(client, STREAM_ROLLOUTS) if i in waiting_groups
+    }
+
+    dropped: dict[str, str] = {}
+    for _, f in _entries(client, STREAM_DROPPED):
+        d = decode(f, DroppedGroup)
+        dropped.setdefault(d.task_id, d.reason)
+    r.dropped_by_reason = dict(Counter(dropped.values()))
+
+    state_path = run_dir / "learner" / "state.json"
+    trained_ids: list[int] = json.loads(state_path.read_text())["trained"] if state_path.exists() else []
+    r.batches_trained = len(trained_ids)
+    r.batches_trained_twice = sorted(b for b, n in Counter(trained_ids).items() if n > 1)
+    in_weights = set(trained_ids)
+
+    batch_groups: dict[int, set[str]] = {}
+    for _, f in _entries(client, STREAM_BATCHES):
+        b = decode(f, TrainBatch)
+        batch_groups.setdefault(b.batch_id, {g.group_id for g in b.groups})
+    ledger = run_dir / "learner" / "trained.jsonl"
+    lines = [json.loads(x) for x in ledger.read_text().splitlines()] if ledger.exists() else []
+    for e in lines:
+        batch_groups.setdefault(int(e["batch_id"]), set(e.get("task_ids", [])))
+    r.trainings_lost_in_crashes = max(0, len(lines) - len({e["batch_id"] for e in lines}))
+    owners: dict[str, set[int]] = defaultdict(set)
+    for bid, tids in batch_groups.items():
+        for t in tids:
+            owners[t].add(bid)
+    r.groups_in_two_batches = sorted(t for t, bids in owners.items() if len(bids) > 1)
+    trained = {t for t, bids in owners.items() if bids & in_weights}
+    in_batch = set(owners) - trained
+
+    dead: set[str] = set()
+    entries = _entries(client, DEAD_LETTER_STREAM)
+    r.dead_letters = len(entries)
+    for _, f in entries:
+        dead |= _task_ids_of_dead_letter(f)
+
+    counts = dict.fromkeys(PLACES, 0)
+    for t in dispatched:
+        place = ("trained" if t in trained else "in_batch" if t in in_batch else "dropped" if t in dropped
+                 else "at_buffer" if t in at_buffer else "at_rollout" if t in at_rollout
+                 else "dead_lettered" if t in dead else "vanished")  # fmt: skip
+        counts[place] += 1
+        if place == "vanished":
+            r.vanished.append(t)
+    r.places = counts
+    r.vanished.sort()
+    sup = run_dir / "supervisor.jsonl"
+    if sup.exists():
+        r.restarts = dict(Counter(json.loads(x)["service"] for x in sup.read_text().splitlines() if x.strip()))
+    return r
+
+
+def _task_ids_of_dead_letter(fields: dict[bytes, bytes]) -> set[str]:
+    """Best effort: the task id inside a dead letter's original message, if it still decodes."""
+    orig = {k.removeprefix(b"orig:"): v for k, v in fields.items() if k.startswith(b"orig:")}
+    for model in (PromptTask, ScoredGroup, TrainBatch):
+        try:
+            msg: Any = decode(orig, model)
+        except Exception:  # noqa: BLE001 -- a dead letter is, by definition, a message that may not decode
+            continue
+        if isinstance(msg, PromptTask):
+            return {msg.task_id}
+        if isinstance(msg, ScoredGroup):
+            return {msg.task.task_id}
+        return {g.group_id for g in msg.groups}
+    return set()
