@@ -48,7 +48,7 @@ def receiver(name: str, url: str) -> None:
         got = r.take(lambda named, v: None)
         version = got.version if got else version
         hb = ReplicaHeartbeat(replica_id=name, host="127.0.0.1", port=1, weight_version=version, state="ready",
-                              sync_broadcast=True)  # fmt: skip
+                              sync_broadcast=True, incarnation=r.incarnation)  # fmt: skip
         client.set(REPLICA_KEY_PREFIX + name, pack(hb), px=5000)
         time.sleep(0.05)
 

@@ -198,8 +198,10 @@ class WeightSender:
         number = int(self.client.incr(KEY_SYNC_GENERATION))  # type: ignore[arg-type]
         ps: Any = dist.PrefixStore(f"g{number}/", self.store)
         ps.set("manifest", self.manifest.to_bytes())
-        self.client.set(KEY_SYNC_GROUP, pack(SyncGroup(generation=number, host=self.s.sync_host, port=self.port,
-                                                       candidates=members, timeout_s=self.timeout_s)))  # fmt: skip
+        invited = [beats[r].incarnation for r in members]
+        announce = SyncGroup(generation=number, host=self.s.sync_host, port=self.port, candidates=members,
+                             timeout_s=self.timeout_s, incarnations=invited)  # fmt: skip
+        self.client.set(KEY_SYNC_GROUP, pack(announce))
         joined = self._await(ps, {r: f"join/{r}" for r in members}, beats)
         self._set_aside([r for r in members if r not in joined], beats)
         roster = [r for r in members if r in joined]

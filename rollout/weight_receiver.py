@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,7 @@ class WeightReceiver:
         self.buckets: Buckets | None = None
         self.ready: Received | None = None  # verified, not yet in the engine
         self.generation = 0  # the newest generation this replica has handled
+        self.incarnation = uuid.uuid4().hex[:12]  # this process: the heartbeat says it, the learner invites it
         self.state = "idle"
 
     # ------------------------------------------------------------------ the worker's side
@@ -92,7 +94,7 @@ class WeightReceiver:
                 log.warning("weight sync: cannot read the announcement: %s", e)
                 stop.wait(1.0)
                 continue
-            if ann is None or ann.generation <= self.generation or self.s.replica_id not in ann.candidates:
+            if ann is None or ann.generation <= self.generation or not self._invited(ann):
                 stop.wait(0.2)
                 continue
             self.generation = ann.generation
@@ -105,6 +107,12 @@ class WeightReceiver:
                 log.warning("weight sync: generation %d failed: %s", ann.generation, e)
             finally:
                 self.state = "idle"
+
+    def _invited(self, ann: SyncGroup) -> bool:
+        """Invited: this replica id, and this process (after a restart, an older generation is someone else's)."""
+        if self.s.replica_id not in ann.candidates:
+            return False
+        return not ann.incarnations or ann.incarnations[ann.candidates.index(self.s.replica_id)] == self.incarnation
 
     def _announcement(self) -> SyncGroup | None:
         raw = self.client.get(KEY_SYNC_GROUP)

@@ -46,7 +46,7 @@ class Worker:
         self.s, self.client, self.engine, self.reward, self.m = s, client, engine, reward, metrics
         self.receiver = receiver
         self.checksum: int | None = None  # of the broadcast weights the engine holds (None: from a snapshot)
-        self.incarnation = uuid.uuid4().hex[:12]
+        self.incarnation = receiver.incarnation if receiver is not None else uuid.uuid4().hex[:12]
         self.consumer = StreamConsumer(client, STREAM_PROMPTS, GROUP_ROLLOUT, s.replica_id, PromptTask,
                                        claim_idle_ms=s.claim_idle_ms, registry=metrics.registry)  # fmt: skip
         self.params = SamplingParams(s.temperature, s.top_p, s.max_response_tokens, s.seed)

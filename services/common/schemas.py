@@ -188,6 +188,9 @@ class SyncGroup(Message):
     host: str = Field(min_length=1, description="Address of the learner's rendezvous store.")
     port: int = Field(ge=1, le=65535)
     candidates: list[str] = Field(description="Replica ids invited to this generation.")
+    incarnations: list[str] = Field(
+        default_factory=list, description="The invited process of each candidate (a restarted replica is not it)."
+    )
     timeout_s: FiniteFloat = Field(gt=0, description="Every wait of a round gives up after this long.")
 
 

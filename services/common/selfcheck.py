@@ -69,7 +69,8 @@ def example_messages() -> list[Message]:
                       replicas=["rollout-0"], sync_seconds=0.2),
         ReplicaHeartbeat(replica_id="rollout-0", host="127.0.0.1", port=8002, weight_version=1, state="ready",
                          weight_checksum=12345, sync_broadcast=True),
-        SyncGroup(generation=1, host="127.0.0.1", port=29600, candidates=["rollout-0"], timeout_s=60.0),
+        SyncGroup(generation=1, host="127.0.0.1", port=29600, candidates=["rollout-0"], timeout_s=60.0,
+                  incarnations=["3f2a9c0d1e7b"]),
     ]  # fmt: skip
 
 
