@@ -235,7 +235,11 @@ class ScoreItem(BaseModel):
     id: str = Field(max_length=256, description="Echoed back in the result.")
     response: str = Field(description="The model's response text.")
     ground_truth: str = Field(description="Reference answer (for reasoning_gym: the entry as JSON).")
-    verifier: str = Field(max_length=128, description="dapo_math | math_verify | reasoning_gym:<task>")
+    verifier: str = Field(
+        max_length=128, description="dapo_math | math_verify | reasoning_gym:<task>",
+        # in the OpenAPI schema (clients, fuzzers); checked by the server with a message naming the choices
+        json_schema_extra={"pattern": r"^(dapo_math|math_verify|reasoning_gym:[a-z0-9_]+)$"},
+    )  # fmt: skip
     response_tokens: int | None = Field(None, ge=0, description="Response length; enables overlong shaping.")
     max_response_tokens: int | None = Field(None, ge=1, description="L_max for this item (default: settings).")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
 
 from services.common.launch import running
 from services.common.redis_server import EmbeddedRedis
@@ -42,7 +43,10 @@ def fuzz(base: str, budget: dict[tuple[str, str], int]) -> Counter[str]:
                 stats[f"{r.status_code // 100}xx"] += 1
                 assert r.status_code < 500, f"{case.method} {case.path} -> {r.status_code}: {r.text[:300]}"
 
-            call()
+            try:
+                call()
+            except Unsatisfiable:  # nothing to make invalid (an operation without parameters)
+                assert mode == GenerationMode.NEGATIVE
     assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200  # still alive
     return stats
 
@@ -53,12 +57,13 @@ def test_reward_server_survives_10k_generated_requests(tmp_path: Path) -> None:
     log = tmp_path / "reward.log"
     with running("reward_server", "--workers", "2", "--auth-token", TOKEN, ready_path="/readyz", token=TOKEN,
                  log=log) as (base, proc):  # fmt: skip
-        stats = fuzz(base, {("POST", "/v1/score"): 9_000, ("GET", "/readyz"): 400, ("GET", "/config"): 400,
+        stats = fuzz(base, {("POST", "/v1/score"): 10_000, ("GET", "/readyz"): 400, ("GET", "/config"): 400,
                             ("GET", "/metrics"): 400})  # fmt: skip
         assert proc.poll() is None
     print(f"reward server fuzz: {dict(stats)}")
     assert stats["cases"] >= 10_000 and stats["5xx"] == 0
     assert stats["4xx"] > 1_000  # the invalid half really was invalid, and answered with a 4xx
+    assert stats["2xx"] > 2_000  # and the valid half really reached the verifiers
 
 
 @pytest.fixture
@@ -71,8 +76,8 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 def test_buffer_http_survives_generated_requests(tmp_path: Path, redis_url: str) -> None:
     args = ["--redis-url", redis_url, "--auth-token", TOKEN, "--run-dir", str(tmp_path / "run"), "--dataset-size",
             "50", "--eval-size", "5"]  # fmt: skip
-    with running("services.buffer", *args, token=TOKEN) as (base, proc):
+    with running("services.buffer", *args, token=TOKEN, ready_path="/readyz") as (base, proc):
         stats = fuzz(base, {})
         assert proc.poll() is None
     print(f"buffer fuzz: {dict(stats)}")
-    assert stats["cases"] >= 500 and stats["5xx"] == 0
+    assert stats["cases"] >= 300 and stats["5xx"] == 0  # parameterless GETs: few distinct cases exist
