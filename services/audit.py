@@ -78,15 +78,16 @@ def _entries(client: redis.Redis, stream: str) -> list[tuple[str, dict[bytes, by
         start = f"{last[0]}-{last[1] + 1}"
 
 
-def _waiting(client: redis.Redis, stream: str, group: str) -> set[str]:
-    """Entry ids a group has not acknowledged: its pending list and what it has not read yet."""
+def _waiting(client: redis.Redis, stream: str, group: str, entry_ids: list[str]) -> set[str]:
+    """Of `entry_ids` (the stream's entries), those a group has not acknowledged: its pending list and what
+    it has not read yet."""
     ids: set[str] = set()
     try:
         groups = {as_str(g["name"]): g for g in client.xinfo_groups(stream)}
     except redis.ResponseError:  # no such stream
         return ids
     if group not in groups:
-        return {i for i, _ in _entries(client, stream)}
+        return set(entry_ids)
     last = parse_id(as_str(groups[group]["last-delivered-id"]))
     start = "-"
     while True:
@@ -96,27 +97,23 @@ def _waiting(client: redis.Redis, stream: str, group: str) -> set[str]:
         ids |= {as_str(p["message_id"]) for p in pend}
         tail = parse_id(as_str(pend[-1]["message_id"]))
         start = f"{tail[0]}-{tail[1] + 1}"
-    for entry_id, _ in _entries(client, stream):
-        if parse_id(entry_id) > last:
-            ids.add(entry_id)
-    return ids
+    return ids | {i for i in entry_ids if parse_id(i) > last}
 
 
 def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     r = AuditReport()
-    prompts = [(i, decode(f, PromptTask)) for i, f in _entries(client, STREAM_PROMPTS)]
+    prompts = [(i, decode(f, PromptTask)) for i, f in _entries(client, STREAM_PROMPTS)]  # each stream read once
     dispatched = {t.task_id for _, t in prompts}
     r.dispatched = len(dispatched)
     r.trimmed_prompts = bool(prompts) and int(client.xinfo_stream(STREAM_PROMPTS).get("entries-added", 0)) > len(
         prompts
     )
-    waiting_prompts = _waiting(client, STREAM_PROMPTS, GROUP_ROLLOUT)
+    waiting_prompts = _waiting(client, STREAM_PROMPTS, GROUP_ROLLOUT, [i for i, _ in prompts])
     at_rollout = {t.task_id for i, t in prompts if i in waiting_prompts}
 
-    waiting_groups = _waiting(client, STREAM_ROLLOUTS, GROUP_BUFFER)
-    at_buffer = {
-        decode(f, ScoredGroup).task.task_id for i, f in _entries(client, STREAM_ROLLOUTS) if i in waiting_groups
-    }
+    rollouts = _entries(client, STREAM_ROLLOUTS)
+    waiting_groups = _waiting(client, STREAM_ROLLOUTS, GROUP_BUFFER, [i for i, _ in rollouts])
+    at_buffer = {decode(f, ScoredGroup).task.task_id for i, f in rollouts if i in waiting_groups}
 
     dropped: dict[str, str] = {}
     for _, f in _entries(client, STREAM_DROPPED):

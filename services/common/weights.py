@@ -19,9 +19,8 @@ TCPStore (the learner's), keys under g<generation>/:
          round/<n>/ack/<replica>     msgpack {ok, checksum, error}: the replica verified (or not) the round
          round/<n>/abort             the learner gave up on the round (a member died): stop waiting, ack
 
-Every wait on either side has a deadline, and the store answers it when the key appears (no polling).
-A replica that does not join, or does not acknowledge a
-round within the timeout, is dropped from the group; the next version rebuilds it without that replica.
+Every wait on either side has a deadline. A replica that does not join, or does not acknowledge a round
+within the timeout, is dropped from the group; the next version rebuilds it without that replica.
 
 The checksum of a bucket is the sum, modulo 2^64, of its bytes read as int64 words (buckets are padded
 to 8 bytes): exact in any summation order, ~40 GB/s on a CPU core, computed where the bucket lives (also
@@ -30,7 +29,6 @@ on a GPU), so every round is verified on both sides; it catches truncated or cor
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -110,10 +108,6 @@ class Manifest:
         if sorted(i for _, idx in buckets for i in idx) != list(range(len(params))):
             raise ValueError("weight manifest: buckets do not cover every parameter exactly once")
         return cls(params, buckets)
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -229,12 +223,3 @@ def wait_keys(
         except dist.DistStoreError:  # this slice timed out
             if cancelled():
                 raise SyncAborted("cancelled") from None
-
-
-def present_keys(store: Any, keys: Sequence[str], timeout_s: float) -> list[str]:
-    """Wait up to the deadline for all keys; return the ones that arrived (never raises on timeout)."""
-    try:
-        wait_keys(store, keys, timeout_s, slice_s=timeout_s)
-        return list(keys)
-    except SyncTimeout:
-        return [k for k in keys if store.check([k])]

@@ -38,7 +38,7 @@ def test_buckets_hold_one_dtype_and_respect_the_size() -> None:
 
 def test_manifest_round_trip_and_validation() -> None:
     m = Manifest.plan(SPECS, bucket_bytes=1 << 20)
-    assert Manifest.from_bytes(m.to_bytes()) == m and Manifest.from_bytes(m.to_bytes()).digest == m.digest
+    assert Manifest.from_bytes(m.to_bytes()) == m
     raw = msgpack.unpackb(m.to_bytes())
     raw["buckets"][0][1].pop()  # a parameter no bucket carries
     with pytest.raises(ValueError, match="exactly once"):
@@ -80,14 +80,13 @@ def test_wait_keys_times_out_and_cancels() -> None:
 
     import torch.distributed as dist
 
-    from services.common.weights import SyncAborted, present_keys
+    from services.common.weights import SyncAborted
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
     store.set("a", "1")
     wait_keys(store, ["a"], 0.1)
     with pytest.raises(SyncTimeout, match="b"):
         wait_keys(store, ["a", "b"], 0.2, slice_s=0.05)
-    assert present_keys(store, ["a", "b"], 0.1) == ["a"]
     with pytest.raises(SyncAborted):
         wait_keys(store, ["b"], float("inf"), cancelled=lambda: True, slice_s=0.05)
     threading.Timer(0.2, lambda: store.set("c", "1")).start()
