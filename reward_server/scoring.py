@@ -126,13 +126,19 @@ class Scorer:
         penalty = 0.0
         if s.overlong_shaping and item.response_tokens is not None:
             max_len = item.max_response_tokens or s.max_response_tokens
-            penalty = overlong_penalty(
-                item.response_tokens, max_len, min(s.overlong_buffer_tokens, max_len), s.overlong_factor
-            )
+            penalty = overlong_penalty(item.response_tokens, max_len, cache_len(s, max_len), s.overlong_factor)
         return ScoreResult(
             id=item.id, score=v.score + penalty, acc=v.acc, pred=v.pred,
             overlong_penalty=penalty, timed_out=v.timed_out, error=v.error,
         )  # fmt: skip
+
+
+def cache_len(s: RewardSettings, max_len: int) -> int:
+    """L_cache for an item whose own L_max is `max_len`: the server's buffer, but never a larger share of the
+    item's L_max than the server's buffer is of its L_max (DAPO: 4096 of 20480, 20%). A 128-token rollout gets
+    a 26-token buffer, not a 128-token one that would penalise every response by its length."""
+    share = s.overlong_buffer_tokens / s.max_response_tokens
+    return max(1, min(s.overlong_buffer_tokens, round(max_len * share)))
 
 
 def _outcome(v: Verdict) -> str:

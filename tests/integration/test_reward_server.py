@@ -102,10 +102,12 @@ def test_results_keep_the_order_of_items(server: str) -> None:
 @pytest.mark.parametrize(
     ("tokens", "max_tokens", "penalty"),
     [(0, None, 0.0), (80, None, 0.0), (81, None, -0.05), (90, None, -0.5), (100, None, -1.0), (101, None, -1.0),
-     (500, None, -1.0), (180, 200, 0.0), (190, 200, -0.5), (None, None, 0.0)],
+     (500, None, -1.0), (180, 200, 0.0), (190, 200, -0.5), (None, None, 0.0),
+     (40, 50, 0.0), (45, 50, -0.5), (50, 50, -1.0)],
 )  # fmt: skip
 def test_overlong_shaping_at_the_boundaries(server: str, tokens, max_tokens, penalty: float) -> None:
-    # settings: L_max 100, L_cache 20, factor 1; an item may bring its own L_max
+    # settings: L_max 100, L_cache 20, factor 1; an item may bring its own L_max: a longer one keeps the
+    # 20-token buffer, a shorter one gets the same 20% share (50 -> 10 tokens), not the whole 20
     [right, wrong] = results(score(server, [
         item("r", "Answer: 7", "7", response_tokens=tokens, max_response_tokens=max_tokens),
         item("w", "Answer: 8", "7", response_tokens=tokens, max_response_tokens=max_tokens),
