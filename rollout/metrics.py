@@ -26,5 +26,10 @@ class RolloutMetrics:
                                      registry=r)  # fmt: skip
         self.sync_receive_seconds = Histogram("dapo_rollout_sync_receive_seconds", "Seconds to receive a version.",
                                               registry=r, buckets=buckets)  # fmt: skip
+        self.eval_avg = Gauge("dapo_eval_avg_at_k", "Held-out mean accuracy over k samples.", registry=r)
+        self.eval_pass = Gauge("dapo_eval_pass_at_k", "Held-out fraction of prompts with a correct sample.",
+                               registry=r)  # fmt: skip
+        self.eval_version = Gauge("dapo_eval_version", "Policy version of the last held-out evaluation.", registry=r)
+        self.eval_seconds = Gauge("dapo_eval_seconds", "Wall time of the last held-out evaluation.", registry=r)
         self.weight_load_seconds = Histogram("dapo_rollout_weight_load_seconds", "Seconds to load weights into the "
                                              "engine.", registry=r, buckets=buckets)  # fmt: skip

@@ -39,5 +39,15 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="TTL of this replica's heartbeat key.")
     claim_idle_ms: int = Field(120_000, ge=0, description="Reclaim prompts another replica left idle this long.")
     max_prompts: int | None = Field(None, ge=1, description="Stop after this many prompts (tests, benchmarks).")
+    eval_every: int | None = Field(
+        None, ge=1, description="Evaluate on the held-out split at version 0 and every n versions (unset: never)."
+    )
+    eval_data: str = Field(
+        "reasoning_gym:chain_sum", description="Held-out items: a dataset spec (as the buffer's) or its eval.jsonl."
+    )
+    eval_size: int = Field(64, ge=1, description="Held-out prompts per evaluation.")
+    eval_k: int = Field(4, ge=1, description="Samples per held-out prompt (avg@k, pass@k).")
+    eval_seed: int = Field(1234, description="Sampling seed of the evaluation (same seed: same samples).")
+    eval_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the evaluation (DAPO's paper: 0.7).")
     vllm_kv_cache_gib: int = Field(2, ge=1, description="vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     vllm_eager: bool = Field(True, description="vLLM: no graph compilation (start in ~16 s instead of ~80 s).")

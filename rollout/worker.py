@@ -13,6 +13,7 @@ acknowledged; they are reclaimed once idle for `claim_idle_ms`.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -20,20 +21,24 @@ import uuid
 import redis
 
 from rollout.engine import Engine, SamplingParams, encode_prompt
+from rollout.evaluate import evaluate, load_eval_items
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardUnavailable
 from rollout.settings import RolloutSettings
 from rollout.weight_receiver import WeightReceiver
+from services.buffer.datasets import Item
 from services.common.arrays import TokenIds
-from services.common.schemas import PromptTask, ReplicaHeartbeat, Sample, Score, ScoredGroup, ScoreItem
+from services.common.schemas import EvalResult, PromptTask, ReplicaHeartbeat, Sample, Score, ScoredGroup, ScoreItem
 from services.common.streams import (
     GROUP_ROLLOUT,
     REPLICA_KEY_PREFIX,
+    STREAM_EVAL,
     STREAM_PROMPTS,
     STREAM_ROLLOUTS,
     Delivery,
     RedisUnavailable,
     StreamConsumer,
+    StreamProducer,
     pack,
 )
 
@@ -53,6 +58,9 @@ class Worker:
         self.state = "starting"
         self.tokens_per_s = 0.0
         self.done = 0
+        self.next_eval = 0  # the held-out evaluation runs at the first version at or past this one
+        self.eval_items: list[Item] | None = None
+        self.eval_out = StreamProducer(client, STREAM_EVAL, registry=metrics.registry)
 
     # ---------------------------------------------------------------- membership
 
@@ -114,8 +122,42 @@ class Worker:
         except (RedisUnavailable, redis.RedisError) as e:
             log.warning("heartbeat failed: %s", e)
 
+    def maybe_evaluate(self) -> EvalResult | None:
+        """With --eval-every n: the held-out avg@k / pass@k of the weights held, at the start and then at the first
+        version at or past each multiple of n; published to dapo:eval and as dapo_eval_* metrics."""
+        s, version = self.s, self.engine.version
+        if s.eval_every is None or version < self.next_eval:
+            return None
+        try:
+            if self.eval_items is None:
+                self.eval_items = load_eval_items(s.eval_data, size=s.eval_size)
+                if not self.eval_items:
+                    log.error("no held-out items in %s: the held-out evaluation is off", s.eval_data)
+                    self.next_eval = sys.maxsize
+                    return None
+            params = SamplingParams(s.temperature, s.eval_top_p, s.max_response_tokens, s.eval_seed)
+            report, _ = evaluate(self.engine, self.eval_items, self.reward, k=s.eval_k, params=params,
+                                 chat_template=s.chat_template, prompts_per_call=s.prompts_per_call)  # fmt: skip
+        except (FileNotFoundError, RewardUnavailable) as e:  # the buffer has not written eval.jsonl yet; reward down
+            log.warning("held-out evaluation of version %d postponed: %s", version, e)
+            return None
+        result = EvalResult(version=version, replica_id=s.replica_id, k=report.k, n_prompts=report.n_prompts,
+                            avg_at_k=report.avg_at_k, pass_at_k=report.pass_at_k,
+                            mean_response_tokens=report.mean_response_tokens, truncated_frac=report.truncated_frac,
+                            seconds=report.seconds)  # fmt: skip
+        self.eval_out.publish(result)
+        self.next_eval = (version // s.eval_every + 1) * s.eval_every
+        self.m.eval_avg.set(report.avg_at_k)
+        self.m.eval_pass.set(report.pass_at_k)
+        self.m.eval_version.set(version)
+        self.m.eval_seconds.set(report.seconds)
+        log.info("held-out eval of version %d: avg@%d %.3f, pass@%d %.3f (%d prompts, %.1f s)", version, report.k,
+                 report.avg_at_k, report.k, report.pass_at_k, report.n_prompts, report.seconds)  # fmt: skip
+        return result
+
     def step(self) -> int:
         self.sync_weights()  # weights change only between engine calls
+        self.maybe_evaluate()
         deliveries = self.consumer.read(count=self.s.prompts_per_call, block_ms=1000)
         if not deliveries:
             return 0

@@ -38,9 +38,11 @@ def run(settings: BufferSettings, stop: threading.Event) -> Buffer:
             config=s.dataset_config, template=s.prompt_template, file_verifier=s.file_verifier,
         )  # fmt: skip
         s.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(s.run_dir / "eval.jsonl", "w") as f:  # the held-out split, for evaluation
+        tmp = s.run_dir / ".eval.jsonl.tmp"  # the held-out split, for evaluation; whole or absent for its readers
+        with open(tmp, "w") as f:
             for item in source.eval:
                 f.write(json.dumps(item.__dict__) + "\n")
+        tmp.replace(s.run_dir / "eval.jsonl")
         log.info("dataset %s: %d training prompts, %d held out", source.name, len(source.train), len(source.eval))
         holder["b"] = buffer = Buffer(s, client, source, BufferMetrics(registry))
         while not stop.is_set():

@@ -209,6 +209,21 @@ class ReplicaHeartbeat(Message):
     timestamp: float = Field(default_factory=time.time)
 
 
+class EvalResult(Message):
+    """A held-out evaluation of one policy version (rollout/evaluate.py), published to dapo:eval."""
+
+    version: int = Field(ge=0, description="Policy version of the weights evaluated.")
+    replica_id: str = Field(min_length=1)
+    k: int = Field(ge=1, description="Samples per prompt.")
+    n_prompts: int = Field(ge=1)
+    avg_at_k: FiniteFloat = Field(ge=0.0, le=1.0, description="Mean accuracy over all k samples of all prompts.")
+    pass_at_k: FiniteFloat = Field(ge=0.0, le=1.0, description="Fraction of prompts with a correct sample.")
+    mean_response_tokens: FiniteFloat = Field(ge=0.0)
+    truncated_frac: FiniteFloat = Field(ge=0.0, le=1.0)
+    seconds: FiniteFloat = Field(ge=0.0)
+    created_at: float = Field(default_factory=time.time)
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.__name__: cls
     for cls in (
@@ -221,6 +236,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         WeightVersion,
         ReplicaHeartbeat,
         SyncGroup,
+        EvalResult,
     )
 }
 

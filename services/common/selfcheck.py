@@ -7,6 +7,7 @@ import uuid
 
 from services.common.schemas import (
     DroppedGroup,
+    EvalResult,
     Message,
     PromptTask,
     ReplicaHeartbeat,
@@ -71,6 +72,8 @@ def example_messages() -> list[Message]:
                          weight_checksum=12345, sync_broadcast=True),
         SyncGroup(generation=1, host="127.0.0.1", port=29600, candidates=["rollout-0"], timeout_s=60.0,
                   incarnations=["3f2a9c0d1e7b"]),
+        EvalResult(version=9, replica_id="rollout-0", k=4, n_prompts=100, avg_at_k=0.2875, pass_at_k=0.54,
+                   mean_response_tokens=24.1, truncated_frac=0.0, seconds=62.8),
     ]  # fmt: skip
 
 

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 STREAM_PROMPTS = "dapo:prompts"
 STREAM_ROLLOUTS = "dapo:rollouts"
 STREAM_BATCHES = "dapo:batches"
+STREAM_EVAL = "dapo:eval"  # EvalResult records: held-out avg@k / pass@k per evaluated policy version
 STREAM_DROPPED = "dapo:dropped"  # DroppedGroup records: what the buffer decided not to train, and why
 DEAD_LETTER_STREAM = "dapo:dead-letter"
 KEY_POLICY_VERSION = "dapo:policy_version"  # the learner's current version, an integer

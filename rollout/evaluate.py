@@ -1,0 +1,151 @@
+"""Held-out evaluation with the rollout engine and the reward server: avg@k and pass@k.
+
+    items = load_eval_items("reasoning_gym:chain_sum", size=200)      # the buffer's held-out split
+    items = load_eval_items(".dapo/buffer/eval.jsonl")                  # ... or the file the buffer wrote
+    report, samples = evaluate(engine, items, reward_client, k=4, params=SamplingParams(seed=1234))
+
+avg@k is the mean accuracy over the k samples of every prompt (the DAPO paper reports avg@32);
+pass@j (j = 1, 2, 4, ..., k) is the unbiased estimator of Chen et al. 2021 from the same k samples:
+1 - C(k-c, j) / C(k, j) per prompt with c correct, averaged over prompts (pass@k: any of k correct).
+Sampling is seeded per request, so the same seed, weights and items give the same samples and the
+same numbers. Every sample is scored by the reward server (`acc`: what training rewards, without
+the overlong shaping).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollout.engine import Engine, SamplingParams, encode_prompt
+from rollout.reward_client import RewardClient
+from services.buffer.datasets import Item, Template, load_source
+from services.common.schemas import ScoreItem
+
+DEFAULT_EVAL_SEED = 1234
+
+
+@dataclass
+class EvalReport:
+    version: int
+    k: int
+    n_prompts: int
+    avg_at_k: float
+    pass_at: dict[int, float]
+    by_source: dict[str, float]  # avg@k per data source
+    mean_response_tokens: float
+    truncated_frac: float
+    seconds: float
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pass_at_k(self) -> float:
+        return self.pass_at[self.k]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self) | {"pass_at_k": self.pass_at_k}, indent=1)
+
+
+@dataclass(frozen=True)
+class EvalSample:
+    prompt_id: str
+    sample: int
+    response: str
+    response_tokens: int
+    finish_reason: str
+    acc: bool
+    score: float
+    pred: str | None
+
+
+def pass_at(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n and 0 <= c <= n (n={n}, c={c})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def load_eval_items(
+    data: str, *, size: int = 200, seed: int = 42, dataset_size: int = 10_000,
+    config: dict[str, dict[str, Any]] | None = None, template: Template = "short",
+) -> list[Item]:  # fmt: skip
+    """A dataset spec: its held-out split, exactly as the buffer draws it given the same seed, training size
+    (questions that occur in training are dropped), config and template. Or a .jsonl file of items (the
+    buffer's run_dir/eval.jsonl). The first `size` items."""
+    if data.startswith(("reasoning_gym:", "file:")):
+        source = load_source(data, size=dataset_size, seed=seed, eval_size=size, config=config, template=template)
+        return source.eval
+    path = Path(data)
+    if not path.is_file():
+        raise FileNotFoundError(f"evaluation data {data!r}: neither a dataset spec (reasoning_gym:..., file:...) "
+                                "nor a file")  # fmt: skip
+    items = [Item(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    return items[:size]
+
+
+def evaluate(
+    engine: Engine, items: Sequence[Item], reward: RewardClient, *, k: int, params: SamplingParams,
+    chat_template: bool = True, prompts_per_call: int = 32,
+) -> tuple[EvalReport, list[EvalSample]]:  # fmt: skip
+    """k samples per item from the engine's current weights, each scored by the reward server."""
+    if not items:
+        raise ValueError("no evaluation items")
+    t0 = time.perf_counter()
+    version = engine.version
+    samples: list[EvalSample] = []
+    for start in range(0, len(items), prompts_per_call):
+        chunk = items[start : start + prompts_per_call]
+        prompts = [encode_prompt(engine.tokenizer, it.prompt, chat_template) for it in chunk]
+        # seeds per request depend on the item's position in the whole list, not in the chunk
+        chunk_params = params if params.seed is None else SamplingParams(
+            params.temperature, params.top_p, params.max_tokens, params.seed + 7919 * start
+        )  # fmt: skip
+        outs = engine.generate(prompts, k, chunk_params)
+        score_items = [
+            ScoreItem(id=f"{i}/{j}", response=c.text, ground_truth=it.ground_truth, verifier=it.verifier,
+                      response_tokens=len(c.token_ids), max_response_tokens=params.max_tokens)
+            for i, (it, o) in enumerate(zip(chunk, outs, strict=True)) for j, c in enumerate(o)
+        ]  # fmt: skip
+        results = iter(reward.score(score_items))
+        for it, o in zip(chunk, outs, strict=True):
+            for j, c in enumerate(o):
+                r = next(results)
+                samples.append(EvalSample(it.prompt_id, j, c.text, len(c.token_ids), c.finish_reason, r.acc,
+                                          r.score, r.pred))  # fmt: skip
+    if engine.version != version:
+        raise RuntimeError(f"the engine's weights changed during the evaluation ({version} -> {engine.version})")
+    return summarize(items, samples, k, version, time.perf_counter() - t0), samples
+
+
+def summarize(items: Sequence[Item], samples: Sequence[EvalSample], k: int, version: int,
+              seconds: float = 0.0) -> EvalReport:  # fmt: skip
+    """avg@k and pass@j from scored samples (also what a test recomputes from re-scored samples)."""
+    correct: dict[str, int] = defaultdict(int)
+    seen: dict[str, int] = defaultdict(int)
+    for s in samples:
+        seen[s.prompt_id] += 1
+        correct[s.prompt_id] += s.acc
+    ids = [it.prompt_id for it in items]
+    if len(set(ids)) != len(ids) or any(seen[i] != k for i in ids) or len(seen) != len(ids):
+        raise ValueError(f"expected exactly {k} samples for each of {len(ids)} distinct items")
+    per_source: dict[str, list[float]] = defaultdict(list)
+    for it in items:
+        per_source[it.data_source].append(correct[it.prompt_id] / k)
+    js = sorted({2**e for e in range(k.bit_length()) if 2**e <= k} | {k})
+    return EvalReport(
+        version=version, k=k, n_prompts=len(items),
+        avg_at_k=sum(correct[i] for i in ids) / (k * len(ids)),
+        pass_at={j: sum(pass_at(k, correct[i], j) for i in ids) / len(ids) for j in js},
+        by_source={src: sum(v) / len(v) for src, v in sorted(per_source.items())},
+        mean_response_tokens=sum(s.response_tokens for s in samples) / len(samples),
+        truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples),
+        seconds=seconds,
+    )  # fmt: skip

@@ -1,0 +1,58 @@
+"""avg@k and pass@k: the estimator against brute-force enumeration, and summaries of hand-made samples."""
+
+from __future__ import annotations
+
+import itertools
+from fractions import Fraction
+
+import pytest
+
+from rollout.evaluate import EvalSample, pass_at, summarize
+from services.buffer.datasets import Item
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 5, 8])
+def test_pass_at_is_the_chance_that_a_random_j_subset_holds_a_correct_sample(n: int) -> None:
+    for c in range(n + 1):
+        outcomes = [True] * c + [False] * (n - c)
+        for j in range(1, n + 1):
+            subsets = list(itertools.combinations(outcomes, j))
+            exact = Fraction(sum(any(s) for s in subsets), len(subsets))
+            assert pass_at(n, c, j) == pytest.approx(float(exact), abs=1e-12), (n, c, j)
+
+
+def test_pass_at_rejects_impossible_counts() -> None:
+    for n, c, k in ((4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)):
+        with pytest.raises(ValueError):
+            pass_at(n, c, k)
+
+
+def item(i: int, source: str = "rg/a") -> Item:
+    return Item(f"p{i}", f"q{i}", "1", "reasoning_gym:chain_sum", source)
+
+
+def sample(i: int, j: int, acc: bool, tokens: int = 10, reason: str = "stop") -> EvalSample:
+    return EvalSample(f"p{i}", j, "x", tokens, reason, acc, 1.0 if acc else -1.0, None)
+
+
+def test_summarize_counts_per_prompt_and_per_source() -> None:
+    items = [item(0), item(1), item(2, "rg/b")]
+    correct = {0: [True, False, False, False], 1: [False] * 4, 2: [True, True, True, False]}
+    samples = [sample(i, j, a, tokens=8 + j, reason="length" if j == 3 else "stop")
+               for i, accs in correct.items() for j, a in enumerate(accs)]  # fmt: skip
+    r = summarize(items, samples, k=4, version=7)
+    assert r.avg_at_k == pytest.approx(4 / 12)
+    assert r.pass_at_k == pytest.approx(2 / 3)  # prompts 0 and 2 have a correct sample
+    assert r.pass_at[1] == pytest.approx(r.avg_at_k)
+    assert r.pass_at[2] == pytest.approx((0.5 + 0 + 1.0) / 3)  # 1 - C(3,2)/C(4,2) = 0.5; 1 - C(1,2)/C(4,2) = 1
+    assert sorted(r.pass_at) == [1, 2, 4] and r.version == 7
+    assert r.by_source == {"rg/a": pytest.approx(1 / 8), "rg/b": pytest.approx(3 / 4)}
+    assert r.mean_response_tokens == pytest.approx(9.5) and r.truncated_frac == pytest.approx(0.25)
+
+
+def test_summarize_wants_exactly_k_samples_of_every_item() -> None:
+    items = [item(0), item(1)]
+    with pytest.raises(ValueError, match="exactly 2 samples"):
+        summarize(items, [sample(0, 0, True), sample(0, 1, True), sample(1, 0, False)], k=2, version=0)
+    with pytest.raises(ValueError, match="exactly 1 samples"):
+        summarize(items, [sample(0, 0, True), sample(1, 0, True), sample(2, 0, True)], k=1, version=0)
