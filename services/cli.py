@@ -25,6 +25,7 @@ app = typer.Typer(help="DAPO as an asynchronous actor-learner service mesh.", no
 console = Console()
 
 RUN_DIR = Path(".dapo")
+ROOT = Path(__file__).resolve().parents[1]
 RedisUrl = Annotated[str | None, typer.Option(envvar="DAPO_REDIS_URL", help="Redis URL; unset: embedded.")]
 
 
@@ -166,6 +167,85 @@ def audit(
     raise typer.Exit(0 if report.balanced else 1)
 
 
+@app.command("eval")
+def evaluate(
+    model: Annotated[Path | None, typer.Option(help="HF model folder; default: SmolLM2-135M-Instruct.")] = None,
+    data: Annotated[str, typer.Option(help="Dataset spec (its held-out split) or the buffer's eval.jsonl.")] = (
+        "reasoning_gym:chain_sum"
+    ),
+    k: Annotated[int, typer.Option(min=1, help="Samples per prompt: avg@k and pass@k.")] = 4,
+    size: Annotated[int, typer.Option(min=1, help="Held-out prompts evaluated.")] = 200,
+    seed: Annotated[int, typer.Option(help="Sampling seed: the same seed gives the same samples.")] = 1234,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="1.0: the training policy; DAPO's paper: 0.7.")] = 1.0,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated at most per sample.")] = 128,
+    engine: Annotated[str, typer.Option(help="vllm or hf.")] = "vllm",
+    reward_url: Annotated[
+        str | None, typer.Option(envvar="DAPO_REWARD_URL", help="The reward server; unset: start one.")
+    ] = None,
+    reward_token: Annotated[str | None, typer.Option(envvar="DAPO_REWARD_TOKEN", show_default=False)] = None,
+    dataset_seed: Annotated[int, typer.Option(help="As the buffer's --dataset-seed.")] = 42,
+    dataset_size: Annotated[int, typer.Option(help="As the buffer's --dataset-size.")] = 10_000,
+    dataset_config: Annotated[str | None, typer.Option(help="As the buffer's --dataset-config (JSON).")] = None,
+    template: Annotated[str, typer.Option(help="As the buffer's --prompt-template.")] = "short",
+    out: Annotated[Path | None, typer.Option(help="Write report.json and samples.jsonl here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Held-out avg@k and pass@k of a model, sampled by the rollout engine and scored by the reward server."""
+    import contextlib
+    import dataclasses
+    import json
+    import os
+
+    if as_json:  # stdout is the report alone: vLLM logs to stderr
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+    from rollout.engine import SamplingParams, load_engine
+    from rollout.evaluate import evaluate as run_eval
+    from rollout.evaluate import load_eval_items
+    from rollout.reward_client import RewardClient
+    from services.buffer.settings import DEFAULT_DATASET_CONFIG
+    from services.common.launch import running
+    from services.common.models import prepare_smollm2
+
+    if engine not in ("vllm", "hf") or template not in ("dapo", "short", "none"):
+        raise typer.BadParameter("--engine is vllm or hf; --template is dapo, short or none")
+    config = json.loads(dataset_config) if dataset_config else DEFAULT_DATASET_CONFIG
+    items = load_eval_items(data, size=size, seed=dataset_seed, dataset_size=dataset_size, config=config,
+                            template=template)  # type: ignore[arg-type]  # fmt: skip
+    model_dir = model or prepare_smollm2(RUN_DIR / "models/smollm2-135m-instruct")
+    with contextlib.ExitStack() as stack:
+        if reward_url is None:
+            env = {"DAPO_AUTH_TOKEN": reward_token} if reward_token else {}
+            reward_url, _ = stack.enter_context(running("reward_server", "--workers", "1", ready_path="/readyz",
+                                                        env=env, token=reward_token))  # fmt: skip
+        client = RewardClient(reward_url, token=reward_token)
+        stack.callback(client.close)
+        eng = load_engine(model_dir, engine, max_model_len=1024)  # (vLLM's keyword; the HF engine needs none)
+        report, samples = run_eval(eng, items, client, k=k,
+                                   params=SamplingParams(temperature, top_p, max_tokens, seed))  # fmt: skip
+    report.settings = {"model": str(model_dir), "data": data, "size": len(items), "seed": seed, "engine": engine,
+                       "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}  # fmt: skip
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(report.to_json())
+        with (out / "samples.jsonl").open("w") as f:
+            f.writelines(json.dumps(dataclasses.asdict(s)) + "\n" for s in samples)
+    if as_json:
+        print(report.to_json())
+        return
+    table = Table("metric", "value", title=f"{model_dir.name}: {len(items)} held-out prompts × {k} samples")
+    table.add_row(f"avg@{k}", f"{report.avg_at_k:.4f}")
+    for j, v in report.pass_at.items():
+        table.add_row(f"pass@{j}", f"{v:.4f}")
+    for src, v in report.by_source.items():
+        table.add_row(f"avg@{k} {src}", f"{v:.4f}")
+    table.add_row("mean response tokens", f"{report.mean_response_tokens:.1f}")
+    table.add_row("truncated", f"{report.truncated_frac:.1%}")
+    table.add_row("seconds", f"{report.seconds:.1f}")
+    console.print(table)
+
+
 @app.command("prepare-model")
 def prepare_model(
     out: Annotated[Path, typer.Option(help="Output folder.")] = RUN_DIR / "models/smollm2-135m-instruct",
@@ -184,7 +264,7 @@ def up(
     redis_url: RedisUrl = None,
     run_dir: Annotated[Path, typer.Option(help="Run directory (Redis AOF, models, logs, checkpoints).")] = RUN_DIR,
     steps: Annotated[
-        int | None, typer.Option(help="Learner batches to train before stopping (default 20; 3 with --tiny).")
+        int | None, typer.Option(help="Learner batches to train (default: the preset's; 3 with --tiny).")
     ] = None,
     tiny: Annotated[bool, typer.Option(help="A random tiny Llama and a few steps: a smoke test.")] = False,
     replicas: Annotated[int, typer.Option(help="Rollout replicas.")] = 1,
@@ -194,14 +274,29 @@ def up(
     transport: Annotated[str, typer.Option(help="Weights to replicas: broadcast (gloo/NCCL) or filesystem.")] = (
         "broadcast"
     ),
+    config: Annotated[
+        Path, typer.Option(help="A preset: configs/dapo.toml, configs/grpo.toml, configs/ablations/*.toml.")
+    ] = ROOT / "configs" / "dapo.toml",
+    eval_every: Annotated[
+        int | None, typer.Option(help="Held-out avg@k at version 0 and every n versions (0: off; default: preset).")
+    ] = None,
 ) -> None:
     """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
     from services.mesh import Mesh, MeshConfig
+    from services.presets import PresetError
 
     if check:
         _check(redis_url, run_dir)
         return
-    cfg = MeshConfig.tiny_preset(run_dir, steps=steps or 3) if tiny else MeshConfig(run_dir=run_dir, steps=steps or 20)
+    if tiny:
+        cfg = MeshConfig.tiny_preset(run_dir, steps=steps or 3)
+    else:
+        try:
+            cfg = MeshConfig.from_preset(config, run_dir=run_dir)
+        except PresetError as e:
+            raise typer.BadParameter(str(e), param_hint="--config") from None
+        cfg.steps = steps or cfg.steps
+    cfg.eval_every = cfg.eval_every if eval_every is None else eval_every
     cfg.redis_url, cfg.replicas, cfg.linger_s, cfg.transport = redis_url, replicas, linger_s, transport
     if not tiny:
         cfg.engine = engine

@@ -8,7 +8,10 @@ from pathlib import Path
 
 PANELS = [  # (title, [(key in metrics.jsonl, label)])
     ("reward", [("reward_mean", "batch reward")]),
-    ("accuracy", [("acc_mean", "batch accuracy"), ("eval_acc", "held-out avg@k")]),
+    (
+        "accuracy",
+        [("acc_mean", "batch accuracy"), ("eval_acc", "held-out avg@k"), ("eval_pass_at_k", "held-out pass@k")],
+    ),
     ("entropy", [("entropy", "token entropy")]),
     ("clip fraction", [("clip_frac_upper", "upper (1+ε_high)"), ("clip_frac_lower", "lower (1−ε_low)")]),
     ("filtered by dynamic sampling", [("filtered_frac", "fraction of groups")]),

@@ -53,14 +53,29 @@ class MeshConfig:
     lr: float = 1e-6
     dataset: str = "reasoning_gym:chain_sum"
     transport: str = "broadcast"  # or "filesystem": replicas reload the learner's HF snapshots
+    eval_every: int = 0  # held-out avg@k by rollout-0 at version 0 and every n versions (0: off)
+    eval_size: int = 64  # held-out prompts per evaluation
+    eval_k: int = 4  # samples per held-out prompt
     linger_s: float = 0.0  # keep the mesh up this long after the last step
     max_restarts: int = 10  # per service; 0: the first exit stops the mesh
     extra: dict[str, list[str]] = field(default_factory=dict)  # more flags per service
 
     @classmethod
+    def from_preset(cls, path: Path, **overrides: Any) -> MeshConfig:
+        """A preset file (services/presets.py): its [mesh] section, and its service sections as extra flags."""
+        from dataclasses import fields
+
+        from services.presets import load_preset
+
+        names = {f.name for f in fields(cls)} - {"run_dir", "extra", "redis_url"}
+        preset = load_preset(path, names)
+        extra = {name: preset.flags(name) for name in preset.services if preset.services[name]}
+        return cls(**(preset.mesh | overrides), extra=extra)
+
+    @classmethod
     def tiny_preset(cls, run_dir: Path, steps: int = 3) -> MeshConfig:
         return cls(run_dir=run_dir, steps=steps, tiny=True, engine="hf", n_samples=4, batch_size=4,
-                   max_response_tokens=24, minibatches=2, lr=1e-4,
+                   max_response_tokens=24, minibatches=2, lr=1e-4, eval_size=16, eval_k=2,
                    extra={"buffer": ["--no-dynamic-sampling"]})  # a random model gets nothing right  # fmt: skip
 
 
@@ -75,6 +90,9 @@ class Mesh:
         self.redis: EmbeddedRedis | None = None
         self.url = ""
         self.logs = cfg.run_dir / "logs"
+        self._redis: Any = None
+        self._eval_seen = ""  # the last dapo:eval entry recorded
+        self.evaluated: set[int] = set()  # policy versions with a held-out evaluation
 
     def model_dir(self) -> Path:
         if self.cfg.tiny:
@@ -169,11 +187,15 @@ class Mesh:
             "--weight-sync", "broadcast" if broadcast else "none", "--sync-port", str(free_port()), "--hold-after-max",
         ], url)  # fmt: skip
         for i in range(c.replicas):
+            evaluator = []  # rollout-0 evaluates the held-out split the buffer wrote
+            if c.eval_every and i == 0:
+                evaluator = ["--eval-every", str(c.eval_every), "--eval-data", str(c.run_dir / "buffer" / "eval.jsonl"),
+                             "--eval-size", str(c.eval_size), "--eval-k", str(c.eval_k)]  # fmt: skip
             self._start(f"rollout-{i}", "rollout", [
                 "--engine", c.engine, "--model-dir", str(model), "--reward-url",
                 f"http://127.0.0.1:{self.ports['reward']}", "--weights-dir", str(learner_dir / "hf"),
                 "--replica-id", f"rollout-{i}", "--max-response-tokens", str(c.max_response_tokens),
-                "--sync-broadcast" if broadcast else "--no-sync-broadcast",
+                "--sync-broadcast" if broadcast else "--no-sync-broadcast", *evaluator,
             ], url)  # fmt: skip
         self.write_prometheus_targets()
         for name in self.procs:
@@ -216,6 +238,7 @@ class Mesh:
         with live as screen:
             while version < self.cfg.steps:
                 self.supervise()
+                self.record_evals(metrics)
                 lines = ledger.read_text().splitlines() if ledger.exists() else []
                 if len(lines) > read or time.monotonic() >= next_scrape:  # scraping costs CPU the mesh needs
                     states, next_scrape = self.scrape(), time.monotonic() + SCRAPE_EVERY_S
@@ -238,6 +261,8 @@ class Mesh:
                     screen.update(view.render())
                 time.sleep(1)
             self.wait_replicas_synced()
+            if self.cfg.eval_every and self.cfg.steps % self.cfg.eval_every == 0:
+                self.wait_final_eval(metrics)
             deadline = time.monotonic() + self.cfg.linger_s
             while time.monotonic() < deadline:  # for a last look (Prometheus, Grafana, the live view)
                 view.update(self.scrape(), None, version)
@@ -245,6 +270,47 @@ class Mesh:
                     screen.update(view.render())
                 time.sleep(1)
         return 0
+
+    def record_evals(self, metrics: Path) -> list[dict[str, Any]]:
+        """New held-out evaluations (dapo:eval) -> rows of metrics.jsonl with kind "eval"."""
+        import redis
+
+        from services.common.schemas import EvalResult
+        from services.common.streams import STREAM_EVAL, RedisUnavailable, connect, decode
+
+        if not self.cfg.eval_every:
+            return []
+        if self._redis is None:
+            self._redis = connect(self.url)
+        try:
+            entries = self._redis.xrange(STREAM_EVAL, min=f"({self._eval_seen}" if self._eval_seen else "-")
+        except (RedisUnavailable, redis.RedisError, OSError) as err:  # Redis restarting: the next pass reads them
+            self.say(f"[yellow]could not read {STREAM_EVAL}: {err}[/]")
+            return []
+        rows: list[dict[str, Any]] = []
+        for entry_id, fields in entries:  # type: ignore[union-attr]
+            self._eval_seen = entry_id.decode()
+            e = decode(fields, EvalResult)
+            rows.append({"kind": "eval", "step": e.version, "policy_version": e.version, "eval_acc": e.avg_at_k,
+                         "eval_pass_at_k": e.pass_at_k, "eval_k": e.k, "eval_prompts": e.n_prompts,
+                         "eval_response_tokens": e.mean_response_tokens, "eval_seconds": e.seconds})  # fmt: skip
+            self.say(f"held-out eval of version {e.version}: avg@{e.k} {e.avg_at_k:.3f}  pass@{e.k} "
+                     f"{e.pass_at_k:.3f}  ({e.n_prompts} prompts, {e.seconds:.0f} s)")  # fmt: skip
+        if rows:
+            with metrics.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            curves.plot(metrics, self.cfg.run_dir / "curves.png")
+            self.evaluated.update(r["policy_version"] for r in rows)
+        return rows
+
+    def wait_final_eval(self, metrics: Path, timeout_s: float = 3600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.cfg.steps not in self.evaluated and time.monotonic() < deadline:
+            self.supervise()
+            self.record_evals(metrics)
+            time.sleep(1)
+        if self.cfg.steps not in self.evaluated:
+            self.say(f"[yellow]no held-out evaluation of version {self.cfg.steps} within {timeout_s:.0f} s[/]")
 
     @staticmethod
     def row(step: int, m: dict[str, Any], states: list[ServiceState]) -> dict[str, Any]:
@@ -254,7 +320,7 @@ class Mesh:
         m.pop("pid", None)
         m.pop("task_ids", None)
         mesh = {k: v for k, v in mesh_numbers(states).items() if v == v}  # NaN: not known yet
-        return {"step": step, "policy_version": version, **m, **mesh}
+        return {"kind": "train", "step": step, "policy_version": version, **m, **mesh}
 
     def line(self, r: dict[str, Any]) -> str:
         return (f"step {r['step']}/{self.cfg.steps} (version {r['policy_version']}): reward {r['reward_mean']:+.3f}  "

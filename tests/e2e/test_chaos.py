@@ -71,6 +71,7 @@ def test_chaos_run_completes_and_the_audit_balances(tmp_path: Path) -> None:
     restarts = [json.loads(x) for x in (run_dir / "supervisor.jsonl").read_text().splitlines()]
     assert sorted({r["service"] for r in restarts}) == sorted(set(killed))
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {s["kind"] for s in steps} == {"train"}  # no --eval-every
     assert [s["policy_version"] for s in steps] == list(range(1, STEPS + 1))
 
     r = subprocess.run([sys.executable, "-m", "services.cli", "audit", str(run_dir), "--json"], cwd=ROOT, env=env,

@@ -42,7 +42,8 @@ def test_dapo_mesh_up_tiny_with_prometheus(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "DAPO_REDIS_URL"} | {"PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     out = (tmp_path / "up.out").open("w")
-    cmd = ["up", "--tiny", "--steps", "3", "--run-dir", str(run_dir), "--linger-s", "8"]  # 8 s: > 1 scrape interval
+    cmd = ["up", "--tiny", "--steps", "3", "--run-dir", str(run_dir), "--linger-s", "8",  # 8 s: > 1 scrape interval
+           "--eval-every", "3"]  # fmt: skip
     mesh = subprocess.Popen([sys.executable, "-m", "services.cli", *cmd], cwd=ROOT, env=env, stdout=out,
                             stderr=subprocess.STDOUT)  # fmt: skip
     prom = None
@@ -77,12 +78,18 @@ def test_dapo_mesh_up_tiny_with_prometheus(tmp_path: Path) -> None:
     assert code == 0, stdout[-4000:]
     for name in SERVICES:
         assert f"ready: {name}" in stdout
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "train"]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert [s["policy_version"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert {"reward_mean", "acc_mean", "entropy", "clip_frac_upper"} <= s.keys()
         assert s["sync_replicas"] == 1  # the replica took every version by broadcast
+    evals = [r for r in rows if r["kind"] == "eval"]  # rollout-0: the held-out split at version 0 and 3
+    assert [e["policy_version"] for e in evals] == [0, 3] and len(rows) == 5
+    for e in evals:
+        assert 0.0 <= e["eval_acc"] <= e["eval_pass_at_k"] <= 1.0 and e["eval_prompts"] == 16 and e["eval_k"] == 2
+    assert "held-out eval of version 3: avg@2" in stdout
     state = json.loads((run_dir / "learner" / "state.json").read_text())
     assert state["trained"] == [0, 1, 2] and state["version"] == 3
     rollout_log = (run_dir / "logs" / "rollout-0.log").read_text()
