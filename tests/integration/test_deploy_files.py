@@ -68,7 +68,8 @@ def test_dashboard_and_alerts_use_only_exported_metrics() -> None:
         unknown = referenced(text) - known
         assert not unknown, f"{where} references metrics no service exports: {sorted(unknown)}"
     # the dashboard covers the mesh end to end: every service's metrics appear
-    for prefix in ("dapo_reward_", "dapo_buffer_", "dapo_rollout_", "dapo_learner_", "dapo_learner_sync_"):
+    prefixes = ("dapo_reward_", "dapo_buffer_", "dapo_rollout_", "dapo_learner_", "dapo_learner_sync_", "dapo_eval_")
+    for prefix in prefixes:
         assert any(m.startswith(prefix) for m in referenced("\n".join(exprs))), prefix
 
 
