@@ -104,7 +104,7 @@ def evaluate(
     for start in range(0, len(items), prompts_per_call):
         chunk = items[start : start + prompts_per_call]
         prompts = [encode_prompt(engine.tokenizer, it.prompt, chat_template) for it in chunk]
-        # seeds per request depend on the item's position in the whole list, not in the chunk
+        # each engine call gets its own seed, from the position of its first item in the whole list
         chunk_params = params if params.seed is None else SamplingParams(
             params.temperature, params.top_p, params.max_tokens, params.seed + 7919 * start
         )  # fmt: skip

@@ -25,7 +25,6 @@ app = typer.Typer(help="DAPO as an asynchronous actor-learner service mesh.", no
 console = Console()
 
 RUN_DIR = Path(".dapo")
-ROOT = Path(__file__).resolve().parents[1]
 RedisUrl = Annotated[str | None, typer.Option(envvar="DAPO_REDIS_URL", help="Redis URL; unset: embedded.")]
 
 
@@ -275,14 +274,15 @@ def up(
         "broadcast"
     ),
     config: Annotated[
-        Path, typer.Option(help="A preset: configs/dapo.toml, configs/grpo.toml, configs/ablations/*.toml.")
-    ] = ROOT / "configs" / "dapo.toml",
+        Path | None,
+        typer.Option(help="A preset: configs/grpo.toml, configs/ablations/*.toml; default: configs/dapo.toml."),
+    ] = None,
     eval_every: Annotated[
         int | None, typer.Option(help="Held-out avg@k at version 0 and every n versions (0: off; default: preset).")
     ] = None,
 ) -> None:
     """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
-    from services.mesh import Mesh, MeshConfig
+    from services.mesh import DEFAULT_PRESET, Mesh, MeshConfig
     from services.presets import PresetError
 
     if check:
@@ -292,7 +292,7 @@ def up(
         cfg = MeshConfig.tiny_preset(run_dir, steps=steps or 3)
     else:
         try:
-            cfg = MeshConfig.from_preset(config, run_dir=run_dir)
+            cfg = MeshConfig.from_preset(config or DEFAULT_PRESET, run_dir=run_dir)
         except PresetError as e:
             raise typer.BadParameter(str(e), param_hint="--config") from None
         cfg.steps = steps or cfg.steps

@@ -33,6 +33,7 @@ from services.common.redis_server import EmbeddedRedis, die_with_parent, free_po
 from services.live import LiveView, ServiceState, mesh_numbers, scrape
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+DEFAULT_PRESET = ROOT / "configs" / "dapo.toml"  # what `dapo-mesh up` runs without --config
 RESTART_BACKOFF_S, RESTART_BACKOFF_MAX_S = 1.0, 30.0  # 1, 2, 4, ... s before restarting a service again
 SCRAPE_EVERY_S = 5.0  # the live view's refresh of health and metrics (and at every new learner step)
 JOBS = {"reward": "reward-server", "buffer": "buffer", "learner": "learner", "rollout": "rollout"}
@@ -90,7 +91,7 @@ class Mesh:
         self.redis: EmbeddedRedis | None = None
         self.url = ""
         self.logs = cfg.run_dir / "logs"
-        self._redis: Any = None
+        self._client: Any = None  # the mesh's own Redis connection (see client())
         self._eval_seen = ""  # the last dapo:eval entry recorded
         self.evaluated: set[int] = set()  # policy versions with a held-out evaluation
 
@@ -250,9 +251,7 @@ class Mesh:
                         rows.append(self.row(version, m, states))
                 read = len(lines)
                 if rows:
-                    with metrics.open("a") as f:
-                        f.writelines(json.dumps(r) + "\n" for r in rows)
-                    curves.plot(metrics, self.cfg.run_dir / "curves.png")
+                    self.append_rows(metrics, rows)
                     if screen is None:
                         for r in rows:
                             self.say(self.line(r))
@@ -271,19 +270,31 @@ class Mesh:
                 time.sleep(1)
         return 0
 
+    def client(self) -> Any:
+        """A Redis connection of the mesh's own (reading eval results, replica heartbeats), made once."""
+        from services.common.streams import connect
+
+        if self._client is None:
+            self._client = connect(self.url)
+        return self._client
+
+    def append_rows(self, metrics: Path, rows: list[dict[str, Any]]) -> None:
+        """Rows to metrics.jsonl, and curves.png redrawn from it."""
+        with metrics.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        curves.plot(metrics, self.cfg.run_dir / "curves.png")
+
     def record_evals(self, metrics: Path) -> list[dict[str, Any]]:
         """New held-out evaluations (dapo:eval) -> rows of metrics.jsonl with kind "eval"."""
         import redis
 
         from services.common.schemas import EvalResult
-        from services.common.streams import STREAM_EVAL, RedisUnavailable, connect, decode
+        from services.common.streams import STREAM_EVAL, RedisUnavailable, decode
 
         if not self.cfg.eval_every:
             return []
-        if self._redis is None:
-            self._redis = connect(self.url)
         try:
-            entries = self._redis.xrange(STREAM_EVAL, min=f"({self._eval_seen}" if self._eval_seen else "-")
+            entries = self.client().xrange(STREAM_EVAL, min=f"({self._eval_seen}" if self._eval_seen else "-")
         except (RedisUnavailable, redis.RedisError, OSError) as err:  # Redis restarting: the next pass reads them
             self.say(f"[yellow]could not read {STREAM_EVAL}: {err}[/]")
             return []
@@ -297,9 +308,7 @@ class Mesh:
             self.say(f"held-out eval of version {e.version}: avg@{e.k} {e.avg_at_k:.3f}  pass@{e.k} "
                      f"{e.pass_at_k:.3f}  ({e.n_prompts} prompts, {e.seconds:.0f} s)")  # fmt: skip
         if rows:
-            with metrics.open("a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
-            curves.plot(metrics, self.cfg.run_dir / "curves.png")
+            self.append_rows(metrics, rows)
             self.evaluated.update(r["policy_version"] for r in rows)
         return rows
 
@@ -330,9 +339,9 @@ class Mesh:
     def wait_replicas_synced(self, timeout_s: float = 60) -> None:
         """The run ends with every replica holding the final weights (they load them between calls)."""
         from services.common.schemas import ReplicaHeartbeat
-        from services.common.streams import KEY_POLICY_VERSION, REPLICA_KEY_PREFIX, connect, unpack
+        from services.common.streams import KEY_POLICY_VERSION, REPLICA_KEY_PREFIX, unpack
 
-        client = connect(self.url)
+        client = self.client()
         final = int(client.get(KEY_POLICY_VERSION) or 0)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -355,5 +364,7 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        if self._client is not None:
+            self._client.close()
         if self.redis:
             self.redis.stop()
