@@ -87,8 +87,10 @@ def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: 
         for s, sc in zip(g.samples, g.scores, strict=True):
             assert sc.acc == ("answer" not in s.response_text[-300:].lower())  # the reward server's verdict
             assert sc.reward == (1.0 if sc.acc else -1.0) + sc.overlong_penalty
-            # L_max 16 (sent per item) with the reward server's L_cache capped at it: the penalty is -L/16
-            assert sc.overlong_penalty == pytest.approx(-len(s.response_token_ids) / 16)
+            # L_max 16 (sent per item): the reward server's buffer share (4096 of 20480, 20%) gives L_cache 3,
+            # so no penalty up to 13 tokens, then (13 - L) / 3 down to -1 at 16
+            n = len(s.response_token_ids)
+            assert sc.overlong_penalty == pytest.approx(0.0 if n <= 13 else (13 - n) / 3)
     assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0
     assert client.get(REPLICA_KEY_PREFIX + "r0") is None  # a clean stop removes the heartbeat
 
