@@ -7,8 +7,9 @@
 avg@k is the mean accuracy over the k samples of every prompt (the DAPO paper reports avg@32);
 pass@j (j = 1, 2, 4, ..., k) is the unbiased estimator of Chen et al. 2021 from the same k samples:
 1 - C(k-c, j) / C(k, j) per prompt with c correct, averaged over prompts (pass@k: any of k correct).
-Sampling is seeded per request, so the same seed, weights and items give the same samples and the
-same numbers. Every sample is scored by the reward server (`acc`: what training rewards, without
+Sampling is seeded per engine call, and the calls always hold PROMPTS_PER_CALL prompts (whoever evaluates:
+`dapo-mesh eval` or a replica during training), so the same seed, weights and items give the same samples
+and the same numbers. Every sample is scored by the reward server (`acc`: what training rewards, without
 the overlong shaping).
 """
 
@@ -26,9 +27,11 @@ from typing import Any
 from rollout.engine import Engine, SamplingParams, encode_prompt
 from rollout.reward_client import RewardClient
 from services.buffer.datasets import Item, Template, load_source
+from services.buffer.settings import DEFAULT_DATASET_CONFIG
 from services.common.schemas import ScoreItem
 
 DEFAULT_EVAL_SEED = 1234
+PROMPTS_PER_CALL = 32  # prompts (x k samples) per engine call; fixed, because the seeds go by call
 
 
 @dataclass
@@ -79,8 +82,9 @@ def load_eval_items(
 ) -> list[Item]:  # fmt: skip
     """A dataset spec: its held-out split, exactly as the buffer draws it given the same seed, training size
     (questions that occur in training are dropped), config and template. Or a .jsonl file of items (the
-    buffer's run_dir/eval.jsonl). The first `size` items."""
+    buffer's run_dir/eval.jsonl). The first `size` items. No config: the buffer's default one."""
     if data.startswith(("reasoning_gym:", "file:")):
+        config = DEFAULT_DATASET_CONFIG if config is None else config
         source = load_source(data, size=dataset_size, seed=seed, eval_size=size, config=config, template=template)
         return source.eval
     path = Path(data)
@@ -93,7 +97,7 @@ def load_eval_items(
 
 def evaluate(
     engine: Engine, items: Sequence[Item], reward: RewardClient, *, k: int, params: SamplingParams,
-    chat_template: bool = True, prompts_per_call: int = 32,
+    chat_template: bool = True,
 ) -> tuple[EvalReport, list[EvalSample]]:  # fmt: skip
     """k samples per item from the engine's current weights, each scored by the reward server."""
     if not items:
@@ -101,8 +105,8 @@ def evaluate(
     t0 = time.perf_counter()
     version = engine.version
     samples: list[EvalSample] = []
-    for start in range(0, len(items), prompts_per_call):
-        chunk = items[start : start + prompts_per_call]
+    for start in range(0, len(items), PROMPTS_PER_CALL):
+        chunk = items[start : start + PROMPTS_PER_CALL]
         prompts = [encode_prompt(engine.tokenizer, it.prompt, chat_template) for it in chunk]
         # each engine call gets its own seed, from the position of its first item in the whole list
         chunk_params = params if params.seed is None else SamplingParams(

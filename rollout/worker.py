@@ -137,7 +137,7 @@ class Worker:
                     return None
             params = SamplingParams(s.temperature, s.eval_top_p, s.max_response_tokens, s.eval_seed)
             report, _ = evaluate(self.engine, self.eval_items, self.reward, k=s.eval_k, params=params,
-                                 chat_template=s.chat_template, prompts_per_call=s.prompts_per_call)  # fmt: skip
+                                 chat_template=s.chat_template)  # fmt: skip
         except (FileNotFoundError, RewardUnavailable) as e:  # the buffer has not written eval.jsonl yet; reward down
             log.warning("held-out evaluation of version %d postponed: %s", version, e)
             return None

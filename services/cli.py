@@ -203,13 +203,12 @@ def evaluate(
     from rollout.evaluate import evaluate as run_eval
     from rollout.evaluate import load_eval_items
     from rollout.reward_client import RewardClient
-    from services.buffer.settings import DEFAULT_DATASET_CONFIG
     from services.common.launch import running
     from services.common.models import prepare_smollm2
 
     if engine not in ("vllm", "hf") or template not in ("dapo", "short", "none"):
         raise typer.BadParameter("--engine is vllm or hf; --template is dapo, short or none")
-    config = json.loads(dataset_config) if dataset_config else DEFAULT_DATASET_CONFIG
+    config = json.loads(dataset_config) if dataset_config else None  # None: the buffer's default
     items = load_eval_items(data, size=size, seed=dataset_seed, dataset_size=dataset_size, config=config,
                             template=template)  # type: ignore[arg-type]  # fmt: skip
     model_dir = model or prepare_smollm2(RUN_DIR / "models/smollm2-135m-instruct")
@@ -220,7 +219,7 @@ def evaluate(
                                                         env=env, token=reward_token))  # fmt: skip
         client = RewardClient(reward_url, token=reward_token)
         stack.callback(client.close)
-        eng = load_engine(model_dir, engine, max_model_len=1024)  # (vLLM's keyword; the HF engine needs none)
+        eng = load_engine(model_dir, engine)  # built as a replica builds it: the same seed draws the same samples
         report, samples = run_eval(eng, items, client, k=k,
                                    params=SamplingParams(temperature, top_p, max_tokens, seed))  # fmt: skip
     report.settings = {"model": str(model_dir), "data": data, "size": len(items), "seed": seed, "engine": engine,

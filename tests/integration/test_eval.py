@@ -1,6 +1,7 @@
 """`dapo-mesh eval` with the shipped model: real vLLM, a real reward server over HTTP. The same seed gives the
 same samples and numbers; re-scoring its samples by hand through the reward server gives the same avg@k and
-pass@k; another seed gives other samples."""
+pass@k; another seed gives other samples. A rollout replica's in-training evaluation of the same weights, items
+and seed gives the same numbers as `dapo-mesh eval`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -15,16 +17,19 @@ import pytest
 
 from rollout.evaluate import EvalSample, load_eval_items, summarize
 from services.buffer.settings import DEFAULT_DATASET_CONFIG
-from services.common.launch import ROOT
+from services.common.launch import ROOT, child_env
+from services.common.redis_server import EmbeddedRedis, free_port
+from services.common.schemas import EvalResult
+from services.common.streams import STREAM_EVAL, connect, decode
 
 pytestmark = pytest.mark.slow
 SIZE, K = 24, 4
 
 
-def run_eval(out: Path, seed: int, reward_url: str, model: Path) -> dict:
+def run_eval(out: Path, seed: int, reward_url: str, model: Path, data: str = "reasoning_gym:chain_sum") -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("DAPO_REWARD_URL",)} | {"PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "services.cli", "eval", "--model", str(model), "--size", str(SIZE), "--k", str(K),
-           "--seed", str(seed), "--max-tokens", "48", "--reward-url", reward_url, "--out", str(out),
+           "--seed", str(seed), "--max-tokens", "48", "--reward-url", reward_url, "--out", str(out), "--data", data,
            "--json"]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -68,3 +73,38 @@ def test_eval_is_deterministic_per_seed_and_agrees_with_the_reward_server(tmp_pa
     assert by_hand.avg_at_k == pytest.approx(first["avg_at_k"]) == sum(accs) / len(accs)
     assert by_hand.pass_at_k == pytest.approx(first["pass_at_k"])
     assert {int(j): v for j, v in first["pass_at"].items()} == pytest.approx(by_hand.pass_at)
+
+
+def test_a_replica_evaluates_as_dapo_mesh_eval_does(tmp_path: Path, reward_url: str, server: EmbeddedRedis) -> None:
+    """The held-out numbers a replica publishes during training are the numbers `dapo-mesh eval` gives for the
+    same weights (here version 0, the model as shipped), items and seed: one evaluation, two ways to run it."""
+    from services.common.models import prepare_smollm2
+
+    model = prepare_smollm2(tmp_path / "smollm2-135m-instruct")
+    data = tmp_path / "eval.jsonl"  # the held-out split as the buffer writes it
+    items = load_eval_items("reasoning_gym:chain_sum", size=SIZE)
+    data.write_text("".join(json.dumps(it.__dict__) + "\n" for it in items))
+    cli = run_eval(tmp_path / "cli", 1234, reward_url, model, data=str(data))
+
+    client = connect(server.url)
+    args = ["--engine", "vllm", "--model-dir", str(model), "--redis-url", server.url, "--reward-url", reward_url,
+            "--port", str(free_port()), "--replica-id", "r0", "--max-response-tokens", "48", "--eval-every", "5",
+            "--eval-data", str(data), "--eval-size", str(SIZE), "--eval-k", str(K), "--eval-seed", "1234"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while not (entries := client.xrange(STREAM_EVAL)):
+            assert proc.poll() is None, f"the replica exited ({proc.returncode})"
+            assert time.monotonic() < deadline, "no evaluation from the replica in 300 s"
+            time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    [(_, fields)] = entries
+    ev = decode(fields, EvalResult)
+    assert (ev.version, ev.replica_id, ev.k, ev.n_prompts) == (0, "r0", K, SIZE)
+    assert 0 < ev.avg_at_k < 1  # the comparison can tell samples apart
+    assert ev.avg_at_k == pytest.approx(cli["avg_at_k"]) and ev.pass_at_k == pytest.approx(cli["pass_at_k"])
+    # the same sampled tokens, not only the same verdicts
+    assert ev.mean_response_tokens == pytest.approx(cli["mean_response_tokens"])
+    assert ev.truncated_frac == pytest.approx(cli["truncated_frac"])
