@@ -26,10 +26,10 @@ pytestmark = pytest.mark.slow
 SIZE, K = 24, 4
 
 
-def run_eval(out: Path, seed: int, reward_url: str, model: Path, data: str = "reasoning_gym:chain_sum") -> dict:
+def run_eval(out: Path, seed: int, reward_url: str, model: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("DAPO_REWARD_URL",)} | {"PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "services.cli", "eval", "--model", str(model), "--size", str(SIZE), "--k", str(K),
-           "--seed", str(seed), "--max-tokens", "48", "--reward-url", reward_url, "--out", str(out), "--data", data,
+           "--seed", str(seed), "--max-tokens", "48", "--reward-url", reward_url, "--out", str(out),
            "--json"]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -42,20 +42,33 @@ def samples(out: Path) -> list[EvalSample]:
     return [EvalSample(**json.loads(line)) for line in (out / "samples.jsonl").read_text().splitlines()]
 
 
-def test_eval_is_deterministic_per_seed_and_agrees_with_the_reward_server(tmp_path: Path, reward_url: str) -> None:
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from services.common.models import prepare_smollm2
 
-    model = prepare_smollm2(tmp_path / "smollm2-135m-instruct")
-    first = run_eval(tmp_path / "a", 1234, reward_url, model)
+    return prepare_smollm2(tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory: pytest.TempPathFactory, reward_url: str, model: Path) -> tuple[Path, dict]:
+    """`dapo-mesh eval` of the shipped model on chain_sum's held-out split, seed 1234: where it wrote, its report."""
+    out = tmp_path_factory.mktemp("eval") / "a"
+    return out, run_eval(out, 1234, reward_url, model)
+
+
+def test_eval_is_deterministic_per_seed_and_agrees_with_the_reward_server(
+    tmp_path: Path, reward_url: str, model: Path, first: tuple[Path, dict]
+) -> None:
+    out_a, report = first
     again = run_eval(tmp_path / "b", 1234, reward_url, model)
     run_eval(tmp_path / "c", 99, reward_url, model)
-    a, b, c = samples(tmp_path / "a"), samples(tmp_path / "b"), samples(tmp_path / "c")
+    a, b, c = samples(out_a), samples(tmp_path / "b"), samples(tmp_path / "c")
 
-    assert len(a) == SIZE * K and first["n_prompts"] == SIZE and first["k"] == K
+    assert len(a) == SIZE * K and report["n_prompts"] == SIZE and report["k"] == K
     assert [s.response for s in a] == [s.response for s in b]  # same seed: the same samples ...
-    assert {k: first[k] for k in ("avg_at_k", "pass_at")} == {k: again[k] for k in ("avg_at_k", "pass_at")}
+    assert {k: report[k] for k in ("avg_at_k", "pass_at")} == {k: again[k] for k in ("avg_at_k", "pass_at")}
     assert [s.response for s in a] != [s.response for s in c]  # ... another seed: others
-    assert 0 < first["avg_at_k"] < 1  # some right, some wrong: the agreement below can tell them apart
+    assert 0 < report["avg_at_k"] < 1  # some right, some wrong: the agreement below can tell them apart
 
     # score the same samples by hand through the reward server, recompute the numbers
     items = load_eval_items("reasoning_gym:chain_sum", size=SIZE, config=DEFAULT_DATASET_CONFIG)
@@ -70,21 +83,20 @@ def test_eval_is_deterministic_per_seed_and_agrees_with_the_reward_server(tmp_pa
     rescored = [EvalSample(s.prompt_id, s.sample, s.response, s.response_tokens, s.finish_reason, acc, 0.0, None)
                 for s, acc in zip(a, accs, strict=True)]  # fmt: skip
     by_hand = summarize(items, rescored, K, version=0)
-    assert by_hand.avg_at_k == pytest.approx(first["avg_at_k"]) == sum(accs) / len(accs)
-    assert by_hand.pass_at_k == pytest.approx(first["pass_at_k"])
-    assert {int(j): v for j, v in first["pass_at"].items()} == pytest.approx(by_hand.pass_at)
+    assert by_hand.avg_at_k == pytest.approx(report["avg_at_k"]) == sum(accs) / len(accs)
+    assert by_hand.pass_at_k == pytest.approx(report["pass_at_k"])
+    assert {int(j): v for j, v in report["pass_at"].items()} == pytest.approx(by_hand.pass_at)
 
 
-def test_a_replica_evaluates_as_dapo_mesh_eval_does(tmp_path: Path, reward_url: str, server: EmbeddedRedis) -> None:
+def test_a_replica_evaluates_as_dapo_mesh_eval_does(
+    tmp_path: Path, reward_url: str, server: EmbeddedRedis, model: Path, first: tuple[Path, dict]
+) -> None:
     """The held-out numbers a replica publishes during training are the numbers `dapo-mesh eval` gives for the
     same weights (here version 0, the model as shipped), items and seed: one evaluation, two ways to run it."""
-    from services.common.models import prepare_smollm2
-
-    model = prepare_smollm2(tmp_path / "smollm2-135m-instruct")
-    data = tmp_path / "eval.jsonl"  # the held-out split as the buffer writes it
+    _, cli = first
+    data = tmp_path / "eval.jsonl"  # the same held-out split, as the buffer writes it
     items = load_eval_items("reasoning_gym:chain_sum", size=SIZE)
     data.write_text("".join(json.dumps(it.__dict__) + "\n" for it in items))
-    cli = run_eval(tmp_path / "cli", 1234, reward_url, model, data=str(data))
 
     client = connect(server.url)
     args = ["--engine", "vllm", "--model-dir", str(model), "--redis-url", server.url, "--reward-url", reward_url,

@@ -6,6 +6,9 @@ app (learner and rollout serve the same endpoints from the same code)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,24 +18,30 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from services.common.launch import running
+from services.common.launch import ROOT, child_env, running
 from services.common.redis_server import EmbeddedRedis
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.generation import GenerationMode  # noqa: E402
 
 TOKEN = "fuzz-token-0123456789"
+REWARD_BUDGET = {("POST", "/v1/score"): 10_000, ("GET", "/readyz"): 400, ("GET", "/config"): 400,
+                 ("GET", "/metrics"): 400}  # fmt: skip
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def fuzz(base: str, budget: dict[tuple[str, str], int]) -> Counter[str]:
-    """Run `budget[(method, path)]` generated cases per operation (half valid, half invalid)."""
+MODES = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+
+
+def fuzz(base: str, budget: dict[tuple[str, str], int], modes: tuple[GenerationMode, ...] = MODES) -> Counter[str]:
+    """Run `budget[(method, path)]` generated cases per operation (half valid, half invalid; `modes` says which
+    halves this call runs)."""
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     stats: Counter[str] = Counter()
     for result in schema.get_all_operations():
         op = result.ok()
         n = budget.get((op.method.upper(), op.path), 200)
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+        for mode in modes:
 
             @settings(max_examples=n // 2, deadline=None, suppress_health_check=list(HealthCheck),
                       phases=[Phase.generate], derandomize=True, database=None)  # fmt: skip
@@ -57,8 +66,17 @@ def test_reward_server_survives_10k_generated_requests(tmp_path: Path) -> None:
     log = tmp_path / "reward.log"
     with running("reward_server", "--workers", "2", "--auth-token", TOKEN, ready_path="/readyz", token=TOKEN,
                  log=log) as (base, proc):  # fmt: skip
-        stats = fuzz(base, {("POST", "/v1/score"): 10_000, ("GET", "/readyz"): 400, ("GET", "/config"): 400,
-                            ("GET", "/metrics"): 400})  # fmt: skip
+        # generating cases is what takes the time (one core, ~25 ms a case): the invalid half is generated and sent
+        # by a second process at the same time (its numbers come back as JSON on its stdout)
+        half = subprocess.Popen([sys.executable, "-m", "tests.integration.test_fuzz_http", base], cwd=ROOT,
+                                env=child_env(), stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            stats = fuzz(base, REWARD_BUDGET, modes=(GenerationMode.POSITIVE,))
+            out, _ = half.communicate(timeout=500)
+        finally:
+            half.kill()
+        assert half.returncode == 0, "the invalid half failed (its stderr is above)"
+        stats.update(json.loads(out.splitlines()[-1]))
         assert proc.poll() is None
     print(f"reward server fuzz: {dict(stats)}")
     assert stats["cases"] >= 10_000 and stats["5xx"] == 0
@@ -81,3 +99,7 @@ def test_buffer_http_survives_generated_requests(tmp_path: Path, redis_url: str)
         assert proc.poll() is None
     print(f"buffer fuzz: {dict(stats)}")
     assert stats["cases"] >= 300 and stats["5xx"] == 0  # parameterless GETs: few distinct cases exist
+
+
+if __name__ == "__main__":  # the reward server test's second process: the invalid half, stats as JSON
+    print(json.dumps(fuzz(sys.argv[1], REWARD_BUDGET, modes=(GenerationMode.NEGATIVE,))))
