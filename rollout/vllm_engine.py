@@ -71,14 +71,21 @@ class VllmEngine:
     def load_weights(self, hf_dir: Path, version: int) -> None:
         """In-place reload from an HF safetensors folder (~0.3 s for 135M), between engine calls."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
-        self.llm.collective_rpc(_retie_lm_head)
-        self.version = version
+        self._reloaded(version)
 
     def load_tensors(self, named: Iterator[tuple[str, Any]], version: int) -> None:
         """In-place reload from (name, tensor) pairs in HF naming (the broadcast's buckets), between engine calls.
         The engine runs in this process, so the iterator is handed over as is: nothing is copied or pickled."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        self._reloaded(version)
+
+    def _reloaded(self, version: int) -> None:
         self.llm.collective_rpc(_retie_lm_head)
+        # The prefix cache holds K/V computed with the OLD weights, and vLLM's reload keeps it: a prompt sharing a
+        # cached prefix (a system prompt, DAPO's long instruction) would be continued from stale K/V, and its
+        # behaviour log-probs would be off by up to ~0.7 (measured, tests/integration/test_rollout_engines.py).
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight reload (a request is running?)")
         self.version = version
 
 

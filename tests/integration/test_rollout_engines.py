@@ -50,10 +50,11 @@ if __name__ == "__main__":
     from rollout.engine import SamplingParams, encode_prompt
     e = VllmEngine(sys.argv[1], kv_cache_gib=1, max_model_len=512)
     prompts = [encode_prompt(e.tokenizer, "What is 2 + 3?"), encode_prompt(e.tokenizer, "Hi")]
-    outs = e.generate(prompts, [4, 2], SamplingParams(max_tokens=12, seed=7))
+    prompts.append((prompts[0] * 40)[:300])  # two full KV blocks (128 tokens on CPU): their prefix gets cached
+    outs = e.generate(prompts, [4, 2, 2], SamplingParams(max_tokens=12, seed=7))
     print("RESULT " + json.dumps({"prompts": prompts, "outs": [[c.__dict__ for c in o] for o in outs]}))
     e.load_weights(sys.argv[2], version=3)  # other weights, in place
-    outs = e.generate(prompts, [4, 2], SamplingParams(max_tokens=12, seed=7))
+    outs = e.generate(prompts, [4, 2, 2], SamplingParams(max_tokens=12, seed=7))
     print("RELOADED " + json.dumps({"version": e.version, "outs": [[c.__dict__ for c in o] for o in outs]}))
 """
 
@@ -73,7 +74,7 @@ def test_vllm_engine_samples_and_logprobs(model_dir: Path, tmp_path: Path) -> No
 
     data = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
     outs = [[Completion(**c) for c in o] for o in data["outs"]]
-    assert [len(o) for o in outs] == [4, 2]
+    assert [len(o) for o in outs] == [4, 2, 2]
     worst = 0.0
     for prompt, o in zip(data["prompts"], outs, strict=True):
         for c in o:
@@ -90,4 +91,5 @@ def test_vllm_engine_samples_and_logprobs(model_dir: Path, tmp_path: Path) -> No
         for c in (Completion(**x) for x in o):
             ref = reference_logprobs(other, prompt, c)  # the NEW weights, tied lm_head included
             worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, ref, strict=True)))
+    # (the long prompt's cached prefix was computed with the OLD weights: it must not be reused)
     assert worst < 1e-3, f"after an in-place reload vLLM log-probs differ from the new weights by {worst}"
