@@ -26,11 +26,10 @@ from typing import Any
 
 from rollout.engine import Engine, SamplingParams, encode_prompt
 from rollout.reward_client import RewardClient
-from services.buffer.datasets import Item, Template, load_source
+from services.buffer.datasets import Item, Template, load_source, read_items
 from services.buffer.settings import DEFAULT_DATASET_CONFIG
 from services.common.schemas import ScoreItem
 
-DEFAULT_EVAL_SEED = 1234
 PROMPTS_PER_CALL = 32  # prompts (x k samples) per engine call; fixed, because the seeds go by call
 
 
@@ -91,8 +90,7 @@ def load_eval_items(
     if not path.is_file():
         raise FileNotFoundError(f"evaluation data {data!r}: neither a dataset spec (reasoning_gym:..., file:...) "
                                 "nor a file")  # fmt: skip
-    items = [Item(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
-    return items[:size]
+    return read_items(path)[:size]
 
 
 def evaluate(

@@ -284,7 +284,7 @@ class Mesh:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         curves.plot(metrics, self.cfg.run_dir / "curves.png")
 
-    def record_evals(self, metrics: Path) -> list[dict[str, Any]]:
+    def record_evals(self, metrics: Path) -> None:
         """New held-out evaluations (dapo:eval) -> rows of metrics.jsonl with kind "eval"."""
         import redis
 
@@ -292,12 +292,12 @@ class Mesh:
         from services.common.streams import STREAM_EVAL, RedisUnavailable, decode
 
         if not self.cfg.eval_every:
-            return []
+            return
         try:
             entries = self.client().xrange(STREAM_EVAL, min=f"({self._eval_seen}" if self._eval_seen else "-")
         except (RedisUnavailable, redis.RedisError, OSError) as err:  # Redis restarting: the next pass reads them
             self.say(f"[yellow]could not read {STREAM_EVAL}: {err}[/]")
-            return []
+            return
         rows: list[dict[str, Any]] = []
         for entry_id, fields in entries:  # type: ignore[union-attr]
             self._eval_seen = entry_id.decode()
@@ -310,7 +310,6 @@ class Mesh:
         if rows:
             self.append_rows(metrics, rows)
             self.evaluated.update(r["policy_version"] for r in rows)
-        return rows
 
     def wait_final_eval(self, metrics: Path, timeout_s: float = 3600) -> None:
         deadline = time.monotonic() + timeout_s

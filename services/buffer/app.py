@@ -5,13 +5,12 @@ python -m services.buffer --redis-url URL [--dataset reasoning_gym:chain_sum] [-
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 
 from prometheus_client import CollectorRegistry
 
-from services.buffer.datasets import load_source
+from services.buffer.datasets import load_source, write_items
 from services.buffer.metrics import BufferMetrics
 from services.buffer.service import Buffer
 from services.buffer.settings import BufferSettings
@@ -38,11 +37,7 @@ def run(settings: BufferSettings, stop: threading.Event) -> Buffer:
             config=s.dataset_config, template=s.prompt_template, file_verifier=s.file_verifier,
         )  # fmt: skip
         s.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = s.run_dir / ".eval.jsonl.tmp"  # the held-out split, for evaluation; whole or absent for its readers
-        with open(tmp, "w") as f:
-            for item in source.eval:
-                f.write(json.dumps(item.__dict__) + "\n")
-        tmp.replace(s.run_dir / "eval.jsonl")
+        write_items(s.run_dir / "eval.jsonl", source.eval)  # the held-out split, for evaluation
         log.info("dataset %s: %d training prompts, %d held out", source.name, len(source.train), len(source.eval))
         holder["b"] = buffer = Buffer(s, client, source, BufferMetrics(registry))
         while not stop.is_set():

@@ -41,6 +41,18 @@ class Item:
     data_source: str
 
 
+def write_items(path: Path, items: Sequence[Item]) -> None:
+    """Items as JSON lines (the buffer's held-out split, eval.jsonl), replaced whole: readers see all or nothing."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(it.__dict__) + "\n" for it in items)
+    tmp.replace(path)
+
+
+def read_items(path: Path) -> list[Item]:
+    return [Item(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
 def apply_template(problem: str, template: Template) -> str:
     if template == "dapo":
         return DAPO_TEMPLATE.format(problem=problem)

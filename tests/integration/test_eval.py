@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from rollout.evaluate import EvalSample, load_eval_items, summarize
+from services.buffer.datasets import write_items
 from services.buffer.settings import DEFAULT_DATASET_CONFIG
 from services.common.launch import ROOT, child_env
 from services.common.redis_server import EmbeddedRedis, free_port
@@ -96,7 +97,7 @@ def test_a_replica_evaluates_as_dapo_mesh_eval_does(
     _, cli = first
     data = tmp_path / "eval.jsonl"  # the same held-out split, as the buffer writes it
     items = load_eval_items("reasoning_gym:chain_sum", size=SIZE)
-    data.write_text("".join(json.dumps(it.__dict__) + "\n" for it in items))
+    write_items(data, items)
 
     client = connect(server.url)
     args = ["--engine", "vllm", "--model-dir", str(model), "--redis-url", server.url, "--reward-url", reward_url,
