@@ -17,19 +17,21 @@ Run: `python -m bench.mesh [--steps N]`.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 from bench.common import Result, print_table
+from services.common.ledger import read_ledger
+from services.mesh.layout import RunLayout
 
 STEPS, B, G, MAX_TOKENS = 8, 4, 4, 48
 
 
 def mesh_run(run_dir: Path, staleness: int, steps: int) -> tuple[float, float]:
     """(seconds from ready to the last step held by the replica, response tokens trained)."""
-    from services.mesh import Mesh, MeshConfig
+    from services.mesh.config import MeshConfig
+    from services.mesh.local import Mesh
 
     cfg = MeshConfig(run_dir=run_dir, steps=steps, tiny=True, engine="vllm", n_samples=G, batch_size=B,
                      max_response_tokens=MAX_TOKENS, minibatches=1, lr=1e-4, max_restarts=0,
@@ -42,15 +44,13 @@ def mesh_run(run_dir: Path, staleness: int, steps: int) -> tuple[float, float]:
         seconds = time.perf_counter() - t0
     finally:
         mesh.stop()
-    ledger = [json.loads(line) for line in (run_dir / "learner" / "trained.jsonl").read_text().splitlines()]
-    return seconds, sum(e["response_tokens"] for e in ledger)
+    return seconds, sum(e.metrics["response_tokens"] for e in read_ledger(RunLayout(run_dir).learner))
 
 
 def raw_generate(model_dir: Path, steps: int) -> float:
     """Tokens/s of the engine alone on the mesh's prompts: B prompts x G samples per call, as the replica does."""
     from rollout.engine import SamplingParams, encode_prompt, load_engine
-    from services.buffer.datasets import load_source
-    from services.buffer.settings import DEFAULT_DATASET_CONFIG
+    from services.common.datasets import DEFAULT_DATASET_CONFIG, load_source
 
     engine = load_engine(model_dir, "vllm", kv_cache_gib=2)
     source = load_source("reasoning_gym:chain_sum", size=steps * B, eval_size=0, config=DEFAULT_DATASET_CONFIG)
@@ -70,7 +70,7 @@ def run(steps: int = STEPS) -> list[Result]:
     tmp = Path(tempfile.mkdtemp(prefix="dapo-bench-mesh-"))
     async_s, async_tokens = mesh_run(tmp / "async", 1, steps)
     sync_s, _ = mesh_run(tmp / "sync", 0, steps)
-    raw = raw_generate(tmp / "async" / "models" / "tiny-llama", steps)
+    raw = raw_generate(RunLayout(tmp / "async").tiny_model, steps)
     what = f"tiny Llama, vLLM, {steps} steps x {B} prompts x {G} samples, <= {MAX_TOKENS} tokens"
     return [
         Result("mesh", f"trained tokens/s through the async mesh ({what})", async_tokens / async_s, raw, "tokens/s",

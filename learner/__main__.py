@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()  # SIGTERM / Ctrl-C: finish the batch, checkpoint, acknowledge, exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    from learner.loop import run
+    from learner.runner import run
 
     run(settings, stop)
 

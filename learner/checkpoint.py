@@ -56,6 +56,16 @@ def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2) -> s
     return tag
 
 
+def read_state(run_dir: Path) -> LearnerState | None:
+    """The newest checkpoint's state from state.json, without DeepSpeed (for the audit); None before the first."""
+    path = run_dir / "state.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    data.pop("tag", None)
+    return LearnerState(**data)
+
+
 def load(engine: Any, run_dir: Path) -> LearnerState | None:
     ckpt_dir = run_dir / "checkpoints"
     if not (ckpt_dir / "latest").exists():

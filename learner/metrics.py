@@ -7,6 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 class LearnerMetrics:
     def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
             return Gauge(f"dapo_learner_{name}", doc, labels, registry=registry)
 

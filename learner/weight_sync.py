@@ -1,6 +1,6 @@
 """The learner's side of weight sync: broadcast every new version to the live rollout replicas.
 
-    sender = WeightSender(settings, client, engine.module, metrics, zero3=False)
+    sender = WeightSender(settings, client, engine.module, registry, zero3=False)
     sender.publish(version, step=..., batch_id=...)   # after each batch, at the version boundary
     sender.close()
 

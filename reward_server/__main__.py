@@ -10,13 +10,9 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = load_settings(RewardSettings, sys.argv[1:] if argv is None else argv, prog="python -m reward_server")
     configure_logging("reward", settings)
-    import logging
+    from reward_server.runner import run
 
-    logging.getLogger("reward_server").info("settings: %s", settings.redacted())
-    from reward_server.app import build_app
-    from services.common.web import serve
-
-    serve(build_app(settings), settings)
+    run(settings)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()  # SIGTERM / Ctrl-C: finish the engine call, publish, exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    from rollout.app import run
+    from rollout.runner import run
 
     run(settings, stop)
 

@@ -1,8 +1,9 @@
 """Generation engines: G samples per prompt, with the behaviour log-prob of every sampled token.
 
-    engine = load_engine(settings)                      # VllmEngine (default) or HFEngine
-    outs = engine.generate([[1, 2, 3]], n=4, params)    # outs[prompt][sample] -> Completion
-    engine.load_weights(hf_dir, version=7)              # weight sync (the weight-sync part calls this)
+    engine = load_engine(model_dir, "vllm", kv_cache_gib=2)   # VllmEngine (rollout/vllm_engine.py) or "hf": HFEngine
+    outs = engine.generate([[1, 2, 3]], n=4, params)          # outs[prompt][sample] -> Completion
+    engine.load_weights(hf_dir, version=7)                    # a learner snapshot (late joiners, filesystem transport)
+    engine.load_tensors(named_tensors, version=8)             # a broadcast round (rollout/weight_receiver.py)
 
 Behaviour log-probs are those of the model's own distribution (temperature 1, no top-p), which is
 what the learner recomputes; with DAPO's temperature 1.0 and top-p 1.0 that is the sampling

@@ -26,8 +26,7 @@ from typing import Any
 
 from rollout.engine import Engine, SamplingParams, encode_prompt
 from rollout.reward_client import RewardClient
-from services.buffer.datasets import Item, Template, load_source, read_items
-from services.buffer.settings import DEFAULT_DATASET_CONFIG
+from services.common.datasets import DEFAULT_DATASET_CONFIG, Item, Template, load_source, read_items
 from services.common.schemas import ScoreItem
 
 PROMPTS_PER_CALL = 32  # prompts (x k samples) per engine call; fixed, because the seeds go by call

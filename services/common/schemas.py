@@ -5,9 +5,10 @@ Token ids and log-probs are packed arrays (services/common/arrays.py): bytes on 
 views in memory; they accept lists. Each message carries `schema_version`; a consumer rejects a
 version it does not know (the streams adapter dead-letters it instead of crashing).
 
-Data path (see shared/DESIGN.md):
+Data path (README, "Architecture"):
     buffer --PromptTask--> rollout --ScoredGroup--> buffer --TrainBatch--> learner
     learner --WeightVersion--> everyone;  rollout --ReplicaHeartbeat--> Redis key with a TTL
+    learner --LedgerEntry--> trained.jsonl (services/common/ledger.py) --> the mesh's recorder, the audit
 """
 
 from __future__ import annotations
@@ -224,6 +225,20 @@ class EvalResult(Message):
     created_at: float = Field(default_factory=time.time)
 
 
+class LedgerEntry(Message):
+    """One line of the learner's ledger (trained.jsonl, services/common/ledger.py): a batch trained into the
+    weights. Written by the learner after the update; read by the mesh's run recorder, the audit, the benchmarks."""
+
+    batch_id: int = Field(ge=0)
+    version: int = Field(ge=1, description="The policy version this batch's update produced.")
+    pid: int = Field(ge=0, description="The learner process that trained it (a restarted learner has another).")
+    lag: int = Field(ge=0, description="Learner version at training minus the batch's oldest sample version.")
+    task_ids: list[str] = Field(description="The groups (task ids) the batch held: what the audit accounts.")
+    metrics: dict[str, int | float] = Field(
+        default_factory=dict, description="The step's numbers: loss, reward_mean, acc_mean, seconds, sync_seconds..."
+    )
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.__name__: cls
     for cls in (
@@ -238,7 +253,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         SyncGroup,
         EvalResult,
     )
-}
+}  # the stream messages (LedgerEntry is a file's line, services/common/ledger.py)
 
 
 # --------------------------------------------------------------------------- reward server HTTP API

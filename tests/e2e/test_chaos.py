@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from services.common.launch import ROOT
+from services.common.ledger import read_ledger
+from services.mesh.layout import RunLayout
 
 SEED = int(os.environ.get("DAPO_CHAOS_SEED", "20261129"))
 STEPS = 30
@@ -24,9 +26,7 @@ VICTIMS = ["learner", "buffer", "reward", "rollout-0", "rollout-1", "redis"]
 
 
 def version(run_dir: Path) -> int:
-    ledger = run_dir / "learner" / "trained.jsonl"
-    lines = ledger.read_text().splitlines() if ledger.exists() else []
-    return max((json.loads(x)["version"] for x in lines if x.strip()), default=0)
+    return max((e.version for e in read_ledger(RunLayout(run_dir).learner)), default=0)
 
 
 @pytest.mark.slow
@@ -35,7 +35,7 @@ def test_chaos_run_completes_and_the_audit_balances(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "DAPO_REDIS_URL"} | {"PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     out = (tmp_path / "up.out").open("w")
-    cmd = [sys.executable, "-m", "services.cli", "up", "--tiny", "--steps", str(STEPS), "--replicas", "2",
+    cmd = [sys.executable, "-m", "services.mesh", "up", "--tiny", "--steps", str(STEPS), "--replicas", "2",
            "--run-dir", str(run_dir)]  # fmt: skip
     mesh = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     rng = random.Random(SEED)
@@ -74,7 +74,7 @@ def test_chaos_run_completes_and_the_audit_balances(tmp_path: Path) -> None:
     assert {s["kind"] for s in steps} == {"train"}  # no --eval-every
     assert [s["policy_version"] for s in steps] == list(range(1, STEPS + 1))
 
-    r = subprocess.run([sys.executable, "-m", "services.cli", "audit", str(run_dir), "--json"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "services.mesh", "audit", str(run_dir), "--json"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     report = json.loads(r.stdout)
     print(f"chaos seed {SEED}: killed {killed}; audit {json.dumps(report)}")

@@ -44,7 +44,7 @@ def test_dapo_mesh_up_tiny_with_prometheus(tmp_path: Path) -> None:
     out = (tmp_path / "up.out").open("w")
     cmd = ["up", "--tiny", "--steps", "3", "--run-dir", str(run_dir), "--linger-s", "8",  # 8 s: > 1 scrape interval
            "--eval-every", "3"]  # fmt: skip
-    mesh = subprocess.Popen([sys.executable, "-m", "services.cli", *cmd], cwd=ROOT, env=env, stdout=out,
+    mesh = subprocess.Popen([sys.executable, "-m", "services.mesh", *cmd], cwd=ROOT, env=env, stdout=out,
                             stderr=subprocess.STDOUT)  # fmt: skip
     prom = None
     seen_up: set[str] = set()

@@ -14,10 +14,10 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from services.buffer.datasets import load_source
 from services.buffer.metrics import BufferMetrics
 from services.buffer.service import KEY_CURSOR, Buffer
 from services.buffer.settings import BufferSettings
+from services.common.datasets import load_source
 from services.common.launch import ROOT
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch

@@ -13,7 +13,7 @@ from services.common.schemas import ScoredGroup
 from services.common.selfcheck import example_group
 from services.common.streams import STREAM_ROLLOUTS, StreamConsumer, StreamProducer, connect
 
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = [sys.executable, "-m", "services.mesh"]
 
 
 def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:

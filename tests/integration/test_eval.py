@@ -16,8 +16,7 @@ import httpx
 import pytest
 
 from rollout.evaluate import EvalSample, load_eval_items, summarize
-from services.buffer.datasets import write_items
-from services.buffer.settings import DEFAULT_DATASET_CONFIG
+from services.common.datasets import DEFAULT_DATASET_CONFIG, write_items
 from services.common.launch import ROOT, child_env
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.schemas import EvalResult
@@ -29,7 +28,7 @@ SIZE, K = 24, 4
 
 def run_eval(out: Path, seed: int, reward_url: str, model: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("DAPO_REWARD_URL",)} | {"PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "services.cli", "eval", "--model", str(model), "--size", str(SIZE), "--k", str(K),
+    cmd = [sys.executable, "-m", "services.mesh", "eval", "--model", str(model), "--size", str(SIZE), "--k", str(K),
            "--seed", str(seed), "--max-tokens", "48", "--reward-url", reward_url, "--out", str(out),
            "--json"]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -14,7 +14,9 @@ import pytest
 
 from learner.tiny import tiny_batch, tiny_llama
 from services.common.launch import ROOT, child_env
+from services.common.ledger import read_ledger
 from services.common.redis_server import EmbeddedRedis, free_port
+from services.common.schemas import LedgerEntry
 from services.common.streams import KEY_POLICY_VERSION, STREAM_BATCHES, StreamProducer, connect
 
 
@@ -33,9 +35,8 @@ def wait_for(predicate, timeout_s: float = 240, what: str = "condition") -> None
         time.sleep(0.1)
 
 
-def ledger(run_dir: Path) -> list[dict]:
-    path = run_dir / "trained.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def ledger(run_dir: Path) -> list[LedgerEntry]:
+    return read_ledger(run_dir)
 
 
 def state(run_dir: Path) -> dict:
@@ -62,7 +63,7 @@ def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tmp_path: 
         finally:
             first.send_signal(signal.SIGKILL)
             first.wait(30)
-        assert [e["batch_id"] for e in ledger(run_dir)] == [0, 1, 2, 3, 4]
+        assert [e.batch_id for e in ledger(run_dir)] == [0, 1, 2, 3, 4]
         assert client.xpending(STREAM_BATCHES, "learner")["pending"] == 2  # 3 and 4: trained, never checkpointed
 
         producer.publish(tiny_batch(5))
@@ -71,8 +72,8 @@ def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tmp_path: 
         second_pid = second.pid
 
         entries = ledger(run_dir)
-        assert [e["batch_id"] for e in entries if e["pid"] == second_pid] == [3, 4, 5]  # exactly the missing ones
-        assert all(len(e["task_ids"]) == 2 for e in entries)  # each line names the groups it trained
+        assert [e.batch_id for e in entries if e.pid == second_pid] == [3, 4, 5]  # exactly the missing ones
+        assert all(len(e.task_ids) == 2 for e in entries)  # each line names the groups it trained
         final = state(run_dir)
         assert final["trained"] == [0, 1, 2, 3, 4, 5] and final["version"] == 6  # each batch once in the weights
         assert int(client.get(KEY_POLICY_VERSION)) == 6

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.buffer.datasets import DAPO_TEMPLATE, load_source, parse_tasks
 from services.buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, version_lag
+from services.common.datasets import DAPO_TEMPLATE, load_source, parse_tasks
 from services.common.schemas import Score, ScoredGroup
 from services.common.selfcheck import example_group
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from services import curves
-from services.live import LiveView, ServiceState, mesh_numbers
-from services.mesh import Mesh
+from services.common.schemas import LedgerEntry
+from services.mesh import curves
+from services.mesh.live import LiveView, ServiceState, mesh_numbers
+from services.mesh.recorder import row as metrics_row
 
 
 def states() -> list[ServiceState]:
@@ -35,10 +36,11 @@ def test_mesh_numbers() -> None:
 
 
 def test_metrics_row_and_view(tmp_path: Path) -> None:
-    ledger_line = {"batch_id": 4, "version": 5, "pid": 1, "lag": 0, "reward_mean": 0.25, "acc_mean": 0.5,
-                   "entropy": 1.2, "clip_frac_upper": 0.01, "seconds": 3.0}  # fmt: skip
-    row = Mesh.row(5, ledger_line, states())
+    entry = LedgerEntry(batch_id=4, version=5, pid=1, lag=0, task_ids=["t1"], metrics={
+        "reward_mean": 0.25, "acc_mean": 0.5, "entropy": 1.2, "clip_frac_upper": 0.01, "seconds": 3.0})  # fmt: skip
+    row = metrics_row(entry, states())
     assert row["step"] == 5 and row["policy_version"] == 5 and "version" not in row and "pid" not in row
+    assert "task_ids" not in row and row["batch_id"] == 4 and row["reward_mean"] == 0.25
     assert row["filtered_frac"] == 0.75 and "sync_seconds_mean" not in row  # NaNs are left out of the JSON
     json.dumps(row, allow_nan=False)
     view = LiveView(steps=10)

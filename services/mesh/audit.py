@@ -27,6 +27,8 @@ from typing import Any
 
 import redis
 
+from learner.checkpoint import read_state
+from services.common.ledger import read_ledger
 from services.common.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
 from services.common.streams import (
     DEAD_LETTER_STREAM,
@@ -40,6 +42,7 @@ from services.common.streams import (
     decode,
     parse_id,
 )
+from services.mesh.layout import RunLayout
 
 PLACES = ("trained", "in_batch", "dropped", "at_buffer", "at_rollout", "dead_lettered", "vanished")
 
@@ -102,6 +105,7 @@ def _waiting(client: redis.Redis, stream: str, group: str, entry_ids: list[str])
 
 def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     r = AuditReport()
+    paths = RunLayout(run_dir)
     prompts = [(i, decode(f, PromptTask)) for i, f in _entries(client, STREAM_PROMPTS)]  # each stream read once
     dispatched = {t.task_id for _, t in prompts}
     r.dispatched = len(dispatched)
@@ -121,8 +125,8 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
         dropped.setdefault(d.task_id, d.reason)
     r.dropped_by_reason = dict(Counter(dropped.values()))
 
-    state_path = run_dir / "learner" / "state.json"
-    trained_ids: list[int] = json.loads(state_path.read_text())["trained"] if state_path.exists() else []
+    state = read_state(paths.learner)
+    trained_ids = state.trained if state is not None else []
     r.batches_trained = len(trained_ids)
     r.batches_trained_twice = sorted(b for b, n in Counter(trained_ids).items() if n > 1)
     in_weights = set(trained_ids)
@@ -131,11 +135,10 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     for _, f in _entries(client, STREAM_BATCHES):
         b = decode(f, TrainBatch)
         batch_groups.setdefault(b.batch_id, {g.group_id for g in b.groups})
-    ledger = run_dir / "learner" / "trained.jsonl"
-    lines = [json.loads(x) for x in ledger.read_text().splitlines()] if ledger.exists() else []
-    for e in lines:
-        batch_groups.setdefault(int(e["batch_id"]), set(e.get("task_ids", [])))
-    r.trainings_lost_in_crashes = max(0, len(lines) - len({e["batch_id"] for e in lines}))
+    ledger = read_ledger(paths.learner)
+    for e in ledger:
+        batch_groups.setdefault(e.batch_id, set(e.task_ids))
+    r.trainings_lost_in_crashes = max(0, len(ledger) - len({e.batch_id for e in ledger}))
     owners: dict[str, set[int]] = defaultdict(set)
     for bid, tids in batch_groups.items():
         for t in tids:
@@ -160,7 +163,7 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
             r.vanished.append(t)
     r.places = counts
     r.vanished.sort()
-    sup = run_dir / "supervisor.jsonl"
+    sup = paths.supervisor_log
     if sup.exists():
         r.restarts = dict(Counter(json.loads(x)["service"] for x in sup.read_text().splitlines() if x.strip()))
     return r

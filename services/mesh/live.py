@@ -1,8 +1,9 @@
 """What `dapo-mesh up` shows while it runs: each service's health and metrics, scraped from its own
 /readyz and /metrics (the same numbers Prometheus sees), and the learner's last step.
 
+    states = [scrape(name, port, alive) for ...]     # every few seconds (Mesh.scrape)
     view = LiveView(steps=20)
-    view.update(snapshot(ports, pids), last_step)    # once a second
+    view.update(states, last_row, steps_done)        # last_row: the newest row of metrics.jsonl
     with Live(view.render(), console=console): ...   # rich, on a terminal
 """
 

@@ -1,0 +1,55 @@
+"""Runs the learner: health and metrics over HTTP from a thread, the training loop here.
+
+    python -m learner --model-dir DIR --redis-url URL [--checkpoint-every 1] ...
+
+Loads the model and the newest checkpoint, publishes the version it resumed from (a crash may have left a
+newer one in Redis that was lost) and broadcasts those weights, so replicas that held a lost version serve the
+learner's again; then trains one batch per `Learner.step()` (learner/service.py) until stopped or
+`--max-batches`, and checkpoints what is left before it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from learner import checkpoint
+from learner.checkpoint import LearnerState
+from learner.metrics import LearnerMetrics
+from learner.service import Learner
+from learner.settings import LearnerSettings
+from learner.trainer import Trainer
+from learner.weight_sync import WeightSender
+from services.common.process import ServiceProcess
+from services.common.streams import KEY_POLICY_VERSION
+
+log = logging.getLogger(__name__)
+
+
+def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
+    s = settings
+    sender: WeightSender | None = None
+    with ServiceProcess("learner", s, loading="loading the model") as proc:
+        try:
+            metrics = LearnerMetrics(proc.registry)
+            trainer = Trainer(s)
+            s.run_dir.mkdir(parents=True, exist_ok=True)
+            state = checkpoint.load(trainer.engine, s.run_dir) or LearnerState()
+            proc.client.set(KEY_POLICY_VERSION, state.version)  # a crash may have left a newer version that was lost
+            metrics.policy_version.set(state.version)
+            if s.weight_sync == "broadcast":
+                zero3 = trainer.engine.zero_optimization_stage() == 3
+                sender = WeightSender(s, proc.client, trainer.engine.module, proc.registry, zero3=zero3)
+                sender.publish(state.version, step=state.step)  # replicas serve exactly the weights we resume from
+            learner = Learner(s, proc.client, trainer, state, metrics, sender)
+            proc.ready_when(lambda: (True, "model loaded"))
+            while not stop.is_set() and not learner.finished:
+                learner.step()
+            learner.close()  # not on an exception: a batch half-trained must not reach a checkpoint
+            if s.hold_after_max and not stop.is_set():
+                log.info("trained %d batches; holding (metrics, weight sync) until stopped", learner.trained_now)
+                stop.wait()
+            return state
+        finally:
+            if sender is not None:
+                sender.close()

@@ -1,0 +1,112 @@
+"""The learner: TrainBatches from Redis in, DAPO updates, checkpoints, acknowledgements — one batch per step().
+
+    learner = Learner(settings, client, trainer, state, LearnerMetrics(registry), sender)
+    while not stop.is_set() and not learner.finished:
+        learner.step()
+    learner.close()        # checkpoints and acknowledges what is trained but not yet committed
+
+A step reads one batch (own pending first after a restart, then reclaimed, then new); skips it if the
+checkpointed weights already contain it; trains; writes the HF snapshot; bumps the policy version in Redis;
+broadcasts the new weights to the live rollout replicas (learner/weight_sync.py); appends the ledger line; and
+every `checkpoint_every` batches writes a checkpoint and only then acknowledges the batches it contains. A
+crash therefore loses no batch and trains none twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import redis
+
+from learner import checkpoint
+from learner.checkpoint import LearnerState
+from learner.metrics import LearnerMetrics
+from learner.settings import LearnerSettings
+from learner.trainer import Trainer
+from learner.weight_sync import WeightSender
+from services.common import ledger
+from services.common.schemas import LedgerEntry, TrainBatch
+from services.common.stream_admin import safe_trim, stream_stats
+from services.common.streams import GROUP_LEARNER, KEY_POLICY_VERSION, STREAM_BATCHES, Delivery, StreamConsumer
+
+log = logging.getLogger(__name__)
+
+
+class Learner:
+    def __init__(self, s: LearnerSettings, client: redis.Redis, trainer: Trainer, state: LearnerState,
+                 metrics: LearnerMetrics, sender: WeightSender | None = None):  # fmt: skip
+        self.s, self.client, self.trainer, self.state, self.m, self.sender = s, client, trainer, state, metrics, sender
+        self.consumer = StreamConsumer(
+            client, STREAM_BATCHES, GROUP_LEARNER, s.consumer_name, TrainBatch,
+            claim_idle_ms=s.claim_idle_ms, max_deliveries=s.max_deliveries, registry=metrics.registry,
+        )  # fmt: skip
+        self.done = set(state.trained)  # batch ids whose update the weights contain
+        self.unacked: list[str] = []  # trained, not yet in a checkpoint: acknowledged by the next commit()
+        self.trained_now = 0  # batches this process trained
+        self.ledger = ledger.open_ledger(s.run_dir)
+
+    @property
+    def finished(self) -> bool:
+        return self.s.max_batches is not None and self.state.version >= self.s.max_batches
+
+    def step(self) -> None:
+        """Train at most one batch (waits up to a second for one)."""
+        groups = stream_stats(self.client, STREAM_BATCHES).groups
+        self.m.batches_pending.set(sum((g.lag or 0) + g.pending for g in groups if g.name == GROUP_LEARNER))
+        for d in self.consumer.read(count=1, block_ms=1000):
+            if d.message.batch_id in self.done:  # redelivered, but its update is already in the weights
+                self.consumer.ack(d.entry_id)
+                self.m.batches_skipped.inc()
+                continue
+            self.train(d)
+            if len(self.unacked) >= self.s.checkpoint_every:
+                self.commit()
+
+    def train(self, d: Delivery[TrainBatch]) -> None:
+        """Train -> snapshot -> publish the version and the weights -> ledger; acknowledged at the next commit."""
+        batch, s, state = d.message, self.s, self.state
+        m: dict[str, Any] = self.trainer.train(batch)
+        lag = max(0, state.version - batch.min_version)
+        state.advance(batch.batch_id, s.minibatches)
+        self.done.add(batch.batch_id)
+        self.m.record(m, state.version, lag)
+        snapshot = None
+        if s.hf_export:  # for late joiners, and the filesystem transport: replicas reload hf/latest
+            snapshot = checkpoint.export_hf(self.trainer.engine, s.run_dir / "hf", state.version,
+                                            tokenizer=self.trainer.tokenizer, keep=s.keep_checkpoints + 1)  # fmt: skip
+        self.client.set(KEY_POLICY_VERSION, state.version)
+        if self.sender is not None:
+            wv = self.sender.publish(state.version, step=state.step, batch_id=batch.batch_id,
+                                     checkpoint_dir=str(snapshot) if snapshot else None)  # fmt: skip
+            m |= {"sync_seconds": wv.sync_seconds, "sync_replicas": len(wv.replicas)}
+        entry = LedgerEntry(
+            batch_id=batch.batch_id,
+            version=state.version,
+            pid=os.getpid(),
+            lag=lag,
+            task_ids=[g.group_id for g in batch.groups],
+            metrics=m,
+        )  # the audit reads the task ids
+        ledger.append(self.ledger, entry)
+        self.unacked.append(d.entry_id)
+        self.trained_now += 1
+        log.info("batch %d -> version %d: loss %.4f, %.1f s", batch.batch_id, state.version, m.get("loss", 0.0),
+                 m["seconds"])  # fmt: skip
+
+    def commit(self) -> None:
+        """Checkpoint, then acknowledge the batches the checkpoint holds, then trim the stream."""
+        t0 = time.perf_counter()
+        checkpoint.save(self.trainer.engine, self.s.run_dir, self.state, keep=self.s.keep_checkpoints)
+        self.m.checkpoint_seconds.observe(time.perf_counter() - t0)
+        self.consumer.ack(*self.unacked)
+        self.unacked.clear()
+        safe_trim(self.client, STREAM_BATCHES, keep_last=self.s.keep_batches)  # a batch is ~B x G x 4 KB
+
+    def close(self) -> None:
+        """After the last step: commit what is trained but not in a checkpoint."""
+        if self.unacked:
+            self.commit()
+        self.ledger.close()

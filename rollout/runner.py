@@ -1,0 +1,50 @@
+"""Runs a rollout replica: HTTP (health, metrics) from a thread, the heartbeat and the weight receiver from two
+more, the loop here.
+
+    python -m rollout --model-dir DIR --redis-url URL --reward-url http://127.0.0.1:8001 ...
+
+Loads the engine and the newest weights, then runs `Worker.step()` (rollout/worker.py) until stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from rollout.engine import load_engine
+from rollout.metrics import RolloutMetrics
+from rollout.reward_client import RewardClient
+from rollout.settings import RolloutSettings
+from rollout.weight_receiver import WeightReceiver
+from rollout.worker import Worker
+from services.common.process import ServiceProcess
+
+log = logging.getLogger(__name__)
+
+
+def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
+    s = settings
+    reward = RewardClient(s.reward_url, token=s.reward_token.get_secret_value() if s.reward_token else None,
+                          timeout_s=s.reward_timeout_s, retries=s.reward_retries)  # fmt: skip
+    beat_stop = threading.Event()
+    with ServiceProcess("rollout", s, loading="loading the engine") as proc:
+        try:
+            metrics = RolloutMetrics(proc.registry)
+            engine = load_engine(s.model_dir, s.engine, kv_cache_gib=s.vllm_kv_cache_gib, eager=s.vllm_eager)
+            receiver = WeightReceiver(s, proc.client, metrics) if s.sync_broadcast else None
+            worker = Worker(s, proc.client, engine, reward, metrics, receiver)
+            proc.ready_when(lambda: (worker.state == "ready", worker.state))
+            worker.sync_weights()  # a late joiner starts from the newest snapshot, then joins the next round
+            worker.warm_up()
+            metrics.version.set(engine.version)
+            worker.heartbeat()
+            threading.Thread(target=worker.heartbeat_forever, args=(beat_stop,), name="heartbeat", daemon=True).start()
+            if receiver is not None:
+                threading.Thread(target=receiver.run, args=(beat_stop,), name="weight-sync", daemon=True).start()
+            log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, engine.version)
+            while not stop.is_set() and (s.max_prompts is None or worker.done < s.max_prompts):
+                worker.step()
+            return worker
+        finally:
+            beat_stop.set()
+            reward.close()

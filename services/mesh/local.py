@@ -1,0 +1,173 @@
+"""`dapo-mesh up`: the whole mesh as local processes — Redis, reward server, buffer, rollout replicas,
+learner — wired by a config (services/mesh/config.py), logs per service under the run directory, stopped
+cleanly.
+
+    dapo-mesh up                            # configs/dapo.toml: SmolLM2-135M-Instruct, 1-digit arithmetic, vLLM
+    dapo-mesh up --tiny                     # a random tiny Llama, a few steps: a smoke test in a minute
+
+    mesh = Mesh(cfg); mesh.start(); mesh.run(); mesh.stop()
+
+The parts: `service_commands` (what each service runs), `Supervisor` (processes, restarts, Redis),
+`RunRecorder` (ledger and evaluations -> metrics.jsonl, curves.png), `LiveView` (what a terminal shows).
+Weights reach the replicas by broadcast (gloo on CPU, NCCL on GPU) after every learner step; the learner
+also writes an HF snapshot per step (learner/hf) that a late-joining replica starts from
+(`transport="filesystem"` makes the snapshot the only transport). `prometheus/` holds the shipped local
+config and the services' addresses as file-based targets:
+`prometheus --config.file=RUN_DIR/prometheus/prometheus.yml`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.common.launch import ROOT, wait_ready
+from services.mesh.commands import allocate_ports, service_commands
+from services.mesh.config import MeshConfig
+from services.mesh.layout import RunLayout
+from services.mesh.live import LiveView, ServiceState, scrape
+from services.mesh.recorder import RunRecorder, line
+from services.mesh.supervisor import Supervisor
+
+PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+SCRAPE_EVERY_S = 5.0  # the live view's refresh of health and metrics (and at every new learner step)
+JOBS = {"reward": "reward-server", "buffer": "buffer", "learner": "learner", "rollout": "rollout"}
+
+
+class Mesh:
+    def __init__(self, cfg: MeshConfig, say: Callable[[str], None] = print, console: Any = None):
+        self.cfg, self.say, self.console = cfg, say, console  # a rich Console on a terminal: the live view
+        self.paths = RunLayout(cfg.run_dir)
+        self.sup = Supervisor(self.paths, max_restarts=cfg.max_restarts, say=say)
+        self.recorder = RunRecorder(self.paths, client=self.client, say=say)
+        self.ports: dict[str, int] = {}
+        self.url = ""
+        self._client: Any = None  # the mesh's own Redis connection (see client())
+
+    def model_dir(self) -> Path:
+        if self.cfg.tiny:
+            from learner.tiny import tiny_llama
+
+            path = self.paths.tiny_model
+            return path if (path / "config.json").exists() else tiny_llama(path, hidden=256, tokenizer=True)
+        from services.common.models import prepare_smollm2
+
+        return prepare_smollm2(self.paths.smollm2)
+
+    def start(self) -> None:
+        """Redis, then every service; returns once each answers /readyz."""
+        model = self.model_dir()
+        self.say(f"model: {model}")
+        self.url = self.cfg.redis_url or self.sup.start_redis()
+        self.say(f"redis: {self.url}")
+        self.ports = allocate_ports(self.cfg)
+        for cmd in service_commands(self.cfg, model, self.url, self.ports):
+            self.sup.spawn(cmd)
+        self.write_prometheus_targets()
+        for name, proc in self.sup.procs.items():
+            wait_ready(proc, f"http://127.0.0.1:{self.ports[name]}/readyz", name=name, timeout_s=600,
+                       log_hint=f"; see {self.paths.log(name)}")  # fmt: skip
+            self.say(f"ready: {name} (http://127.0.0.1:{self.ports[name]})")
+
+    def write_prometheus_targets(self) -> Path:
+        """RUN_DIR/prometheus: the shipped local config and rules, and this mesh's services as targets."""
+        out = self.paths.prometheus
+        (out / "targets").mkdir(parents=True, exist_ok=True)
+        shutil.copy(PROMETHEUS_DIR / "local.yml", out / "prometheus.yml")
+        shutil.copy(PROMETHEUS_DIR / "rules.yml", out / "rules.yml")
+        groups = [{"targets": [f"127.0.0.1:{self.ports[name]}"], "labels": {"job": JOBS[cmd.service], "service": name}}
+                  for name, cmd in self.sup.cmds.items()]  # fmt: skip
+        tmp = out / "targets" / ".mesh.json.tmp"
+        tmp.write_text(json.dumps(groups, indent=1))
+        tmp.replace(out / "targets" / "mesh.json")
+        return out
+
+    def scrape(self) -> list[ServiceState]:
+        states = [scrape(name, self.ports[name], self.sup.alive(name)) for name in self.sup.procs]
+        for st in states:
+            st.restarts = self.sup.restarts.get(st.name, 0)
+        return states
+
+    def tick(self) -> None:
+        """Once a second: the restart policy and the held-out evaluations."""
+        self.sup.supervise()
+        if self.cfg.eval_every:
+            self.recorder.record_evals()
+
+    def run(self) -> int:
+        """Until the learner has trained `steps` batches and every replica holds them; then `linger_s` more."""
+        view = LiveView(self.cfg.steps)
+        states: list[ServiceState] = []
+        next_scrape = 0.0
+        live: Any = contextlib.nullcontext()
+        if self.console is not None:
+            from rich.live import Live
+
+            live = Live(view.render(), console=self.console, refresh_per_second=2, transient=False)
+        with live as screen:
+            while self.recorder.version < self.cfg.steps:
+                self.tick()
+                entries = self.recorder.new_entries()
+                if entries or time.monotonic() >= next_scrape:  # scraping costs CPU the mesh needs
+                    states, next_scrape = self.scrape(), time.monotonic() + SCRAPE_EVERY_S
+                rows = self.recorder.record_steps(entries, states)
+                if screen is None:
+                    for r in rows:
+                        self.say(line(r, self.cfg.steps))
+                view.update(states, rows[-1] if rows else None, self.recorder.version)
+                if screen is not None:
+                    screen.update(view.render())
+                time.sleep(1)
+            self.wait_replicas_synced()
+            if self.cfg.eval_every and self.cfg.steps % self.cfg.eval_every == 0:
+                self.wait_final_eval()
+            deadline = time.monotonic() + self.cfg.linger_s
+            while time.monotonic() < deadline:  # for a last look (Prometheus, Grafana, the live view)
+                view.update(self.scrape(), None, self.recorder.version)
+                if screen is not None:
+                    screen.update(view.render())
+                time.sleep(1)
+        return 0
+
+    def client(self) -> Any:
+        """A Redis connection of the mesh's own (reading eval results, replica heartbeats), made once."""
+        from services.common.streams import connect
+
+        if self._client is None:
+            self._client = connect(self.url)
+        return self._client
+
+    def wait_final_eval(self, timeout_s: float = 3600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.cfg.steps not in self.recorder.evaluated and time.monotonic() < deadline:
+            self.tick()
+            time.sleep(1)
+        if self.cfg.steps not in self.recorder.evaluated:
+            self.say(f"[yellow]no held-out evaluation of version {self.cfg.steps} within {timeout_s:.0f} s[/]")
+
+    def wait_replicas_synced(self, timeout_s: float = 60) -> None:
+        """The run ends with every replica holding the final weights (they load them between calls)."""
+        from services.common.schemas import ReplicaHeartbeat
+        from services.common.streams import KEY_POLICY_VERSION, REPLICA_KEY_PREFIX, unpack
+
+        client = self.client()
+        final = int(client.get(KEY_POLICY_VERSION) or 0)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            beats = [client.get(REPLICA_KEY_PREFIX + f"rollout-{i}") for i in range(self.cfg.replicas)]
+            versions = [unpack(b, ReplicaHeartbeat).weight_version if b else -1 for b in beats]
+            if min(versions) >= final:
+                self.say(f"replicas hold the final weights (version {final})")
+                return
+            time.sleep(0.5)
+        self.say(f"[yellow]not every replica loaded version {final} within {timeout_s:.0f} s[/]")
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self.sup.stop()

@@ -1,0 +1,91 @@
+"""The run recorder: the learner's ledger and the held-out evaluations become metrics.jsonl and curves.png.
+
+    rec = RunRecorder(RunLayout(run_dir), client=lambda: redis_client, say=print)
+    entries = rec.new_entries()         # ledger lines added since the last call
+    rows = rec.record_steps(entries, states)   # -> rows of kind "train" (with the mesh's numbers)
+    rec.record_evals()                  # new dapo:eval entries -> rows of kind "eval"
+
+One row per policy version: a version trained again after a learner crash (the ledger has it twice) is
+recorded once. NaN numbers (not known yet) are left out of a row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from services.common.ledger import LedgerTail
+from services.common.schemas import LedgerEntry
+from services.mesh import curves
+from services.mesh.layout import RunLayout
+from services.mesh.live import ServiceState, mesh_numbers
+
+
+class RunRecorder:
+    def __init__(self, paths: RunLayout, *, client: Callable[[], Any], say: Callable[[str], None] = print):
+        self.paths, self.client, self.say = paths, client, say
+        self.tail = LedgerTail(paths.learner)
+        self.version = 0  # the newest policy version in metrics.jsonl
+        self.evaluated: set[int] = set()  # policy versions with a held-out evaluation
+        self._eval_seen = ""  # the last dapo:eval entry recorded
+
+    def new_entries(self) -> list[LedgerEntry]:
+        return self.tail.read()
+
+    def record_steps(self, entries: list[LedgerEntry], states: list[ServiceState]) -> list[dict[str, Any]]:
+        rows = []
+        for e in entries:
+            if e.version > self.version:  # a version trained again after a learner crash: logged once
+                self.version = e.version
+                rows.append(row(e, states))
+        self.append(rows)
+        return rows
+
+    def record_evals(self) -> list[dict[str, Any]]:
+        """New held-out evaluations (dapo:eval) -> rows of metrics.jsonl with kind "eval"."""
+        import redis
+
+        from services.common.schemas import EvalResult
+        from services.common.streams import STREAM_EVAL, RedisUnavailable, decode
+
+        try:
+            entries = self.client().xrange(STREAM_EVAL, min=f"({self._eval_seen}" if self._eval_seen else "-")
+        except (RedisUnavailable, redis.RedisError, OSError) as err:  # Redis restarting: the next pass reads them
+            self.say(f"[yellow]could not read {STREAM_EVAL}: {err}[/]")
+            return []
+        rows: list[dict[str, Any]] = []
+        for entry_id, fields in entries:
+            self._eval_seen = entry_id.decode()
+            e = decode(fields, EvalResult)
+            rows.append({"kind": "eval", "step": e.version, "policy_version": e.version, "eval_acc": e.avg_at_k,
+                         "eval_pass_at_k": e.pass_at_k, "eval_k": e.k, "eval_prompts": e.n_prompts,
+                         "eval_response_tokens": e.mean_response_tokens, "eval_seconds": e.seconds})  # fmt: skip
+            self.say(f"held-out eval of version {e.version}: avg@{e.k} {e.avg_at_k:.3f}  pass@{e.k} "
+                     f"{e.pass_at_k:.3f}  ({e.n_prompts} prompts, {e.seconds:.0f} s)")  # fmt: skip
+        self.append(rows)
+        self.evaluated.update(r["policy_version"] for r in rows)
+        return rows
+
+    def append(self, rows: list[dict[str, Any]]) -> None:
+        """Rows to metrics.jsonl, and curves.png redrawn from it."""
+        if not rows:
+            return
+        with self.paths.metrics.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        curves.plot(self.paths.metrics, self.paths.curves)
+
+
+def row(e: LedgerEntry, states: list[ServiceState]) -> dict[str, Any]:
+    """One line of metrics.jsonl: the learner's step, and the mesh's numbers at that moment."""
+    mesh = {k: v for k, v in mesh_numbers(states).items() if not math.isnan(v)}  # NaN: not known yet
+    return {"kind": "train", "step": e.version, "policy_version": e.version, "batch_id": e.batch_id, "lag": e.lag,
+            **e.metrics, **mesh}  # fmt: skip
+
+
+def line(r: dict[str, Any], steps: int) -> str:
+    """A step's row as one line of the mesh's output (when it is not on a terminal)."""
+    return (f"step {r['step']}/{steps} (version {r['policy_version']}): reward {r['reward_mean']:+.3f}  "
+            f"acc {r['acc_mean']:.3f}  entropy {r['entropy']:.3f}  clip {r.get('clip_frac_upper', 0.0):.3f}  "
+            f"filtered {r.get('filtered_frac', float('nan')):.0%}  {r['seconds']:.1f} s")  # fmt: skip

@@ -1,0 +1,117 @@
+"""What `dapo-mesh up` starts, read without starting anything: a preset in, each service's command line out,
+parsed back by that service's own settings class; and a mesh config that cannot work is refused by name."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from learner.settings import LearnerSettings
+from reward_server.settings import RewardSettings
+from rollout.settings import RolloutSettings
+from services.buffer.settings import BufferSettings
+from services.common.settings import load_settings
+from services.mesh.cli import app
+from services.mesh.commands import SYNC_PORT, ServiceCommand, service_commands, service_names
+from services.mesh.config import MeshConfig, PresetError, load_preset
+from services.mesh.layout import RunLayout
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+MODEL = Path("/models/m")
+URL = "redis://:pw@127.0.0.1:6390/0"
+SETTINGS = {"reward": RewardSettings, "buffer": BufferSettings, "learner": LearnerSettings, "rollout": RolloutSettings}
+
+
+@pytest.fixture(autouse=True)
+def no_dapo_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in [k for k in os.environ if k.startswith("DAPO_")]:
+        monkeypatch.delenv(k)
+
+
+def ports(cfg: MeshConfig) -> dict[str, int]:
+    return {name: 9000 + i for i, name in enumerate([*service_names(cfg), SYNC_PORT])}
+
+
+def parsed(cmd: ServiceCommand):  # type: ignore[no-untyped-def]
+    return load_settings(SETTINGS[cmd.service], list(cmd.args))
+
+
+def test_the_dapo_preset_becomes_these_command_lines(tmp_path: Path) -> None:
+    cfg = MeshConfig.from_preset(CONFIGS / "dapo.toml", run_dir=tmp_path, replicas=2)
+    p = ports(cfg)
+    cmds = {c.name: c for c in service_commands(cfg, MODEL, URL, p)}
+    assert list(cmds) == ["reward", "buffer", "learner", "rollout-0", "rollout-1"]  # the start order
+    modules = ("reward_server", "services.buffer", "learner", "rollout", "rollout")
+    assert [c.argv("py")[:3] for c in cmds.values()] == [["py", "-m", m] for m in modules]
+    for c in cmds.values():
+        assert c.env == {"DAPO_REDIS_URL": URL, "OMP_NUM_THREADS": "1"} and URL not in " ".join(c.args)  # not in `ps`
+        assert parsed(c).port == p[c.name]
+    paths = RunLayout(tmp_path)
+
+    learner = parsed(cmds["learner"])
+    assert (learner.model_dir, learner.run_dir, learner.max_batches) == (MODEL, paths.learner, 45)
+    assert (learner.minibatches, learner.lr, learner.weight_sync) == (2, 2e-5, "broadcast")
+    assert learner.sync_port == p["sync"]
+    assert (learner.clip_high, learner.loss_agg, learner.warmup_steps, learner.hold_after_max) == (
+        0.28, "token-mean", 4, True)  # fmt: skip  # from the preset's [learner]
+
+    buffer = parsed(cmds["buffer"])
+    assert (buffer.dataset, buffer.n_samples, buffer.batch_size, buffer.run_dir) == (
+        "reasoning_gym:basic_arithmetic", 8, 4, paths.buffer)  # fmt: skip
+    assert buffer.dataset_size == 400 and buffer.dataset_config["basic_arithmetic"]["operators"] == ["+", "*"]
+
+    assert parsed(cmds["reward"]).overlong_shaping is True and parsed(cmds["reward"]).workers == 1
+    r0, r1 = parsed(cmds["rollout-0"]), parsed(cmds["rollout-1"])
+    for i, r in enumerate((r0, r1)):
+        assert (r.replica_id, r.engine, r.model_dir, r.max_response_tokens) == (f"rollout-{i}", "vllm", MODEL, 96)
+        assert r.reward_url == f"http://127.0.0.1:{p['reward']}" and r.weights_dir == paths.snapshots
+        assert r.sync_broadcast is True
+    # only rollout-0 evaluates, on the file the buffer writes
+    assert (r0.eval_every, r0.eval_data, r0.eval_size, r0.eval_k) == (9, str(paths.eval_items), 100, 4)
+    assert r1.eval_every is None
+
+
+def test_preset_flags_come_last_so_they_win(tmp_path: Path) -> None:
+    cfg = MeshConfig(run_dir=tmp_path, lr=1e-3, extra={"learner": ["--lr", "5e-4"], "buffer": ["--batch-size", "2"]})
+    cmds = {c.name: c for c in service_commands(cfg, MODEL, URL, ports(cfg))}
+    assert cmds["learner"].args[-2:] == ("--lr", "5e-4") and parsed(cmds["learner"]).lr == 5e-4
+    assert parsed(cmds["buffer"]).batch_size == 2
+
+
+def test_filesystem_transport_turns_the_broadcast_off_on_both_ends(tmp_path: Path) -> None:
+    cfg = MeshConfig.tiny_preset(tmp_path).model_copy(update={"transport": "filesystem"})
+    cmds = {c.name: c for c in service_commands(cfg, MODEL, URL, ports(cfg))}
+    assert parsed(cmds["learner"]).weight_sync == "none"
+    assert parsed(cmds["rollout-0"]).sync_broadcast is False and parsed(cmds["rollout-0"]).engine == "hf"
+    assert parsed(cmds["buffer"]).dynamic_sampling is False  # the tiny preset's extra flag
+    assert "--eval-every" not in cmds["rollout-0"].args  # evaluation off unless asked
+
+
+def test_a_wrong_choice_is_named_with_the_allowed_ones(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"transport\n  Input should be 'broadcast' or 'filesystem'"):
+        MeshConfig(transport="filesytem")  # type: ignore[arg-type]
+    cfg = MeshConfig()
+    with pytest.raises(ValidationError, match=r"engine\n  Input should be 'vllm' or 'hf'"):
+        cfg.engine = "trt"  # type: ignore[assignment]
+    with pytest.raises(ValidationError, match=r"replicas\n  Input should be greater than or equal to 1"):
+        MeshConfig(replicas=0)
+    with pytest.raises(ValidationError, match="extra"):
+        MeshConfig(extra={"trainer": ["--lr", "1"]})  # type: ignore[dict-item]
+    preset = tmp_path / "p.toml"
+    preset.write_text('[mesh]\ntransport = "nccl"\n')
+    with pytest.raises(PresetError, match=r"\[mesh\] transport: Input should be 'broadcast' or 'filesystem'"):
+        load_preset(preset)
+    preset.write_text("[mesh]\nstesp = 3\n")
+    with pytest.raises(PresetError, match=r"\[mesh\] has no setting \['stesp'\]; did you mean \['steps'\]"):
+        load_preset(preset)
+
+
+def test_up_refuses_a_wrong_transport_before_starting_anything(tmp_path: Path) -> None:
+    r = CliRunner().invoke(app, ["up", "--tiny", "--run-dir", str(tmp_path), "--transport", "nccl"])
+    assert r.exit_code == 2
+    assert "transport: Input should be 'broadcast' or 'filesystem'" in " ".join(r.output.split())
+    assert not any(tmp_path.iterdir())  # no model, no Redis, no logs
