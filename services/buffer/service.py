@@ -31,6 +31,7 @@ from services.common.datasets import Item, Source
 from services.common.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
 from services.common.stream_admin import safe_trim, stream_stats
 from services.common.streams import (
+    DEAD_LETTER_STREAM,
     GROUP_BUFFER,
     GROUP_LEARNER,
     GROUP_ROLLOUT,
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 KEY_CURSOR = "dapo:buffer:cursor"
 KEY_BATCH_ID = "dapo:buffer:batch_id"  # INCR gives the next batch id (ids start at 0)
 DISPATCH_CHUNK = 64
+GAUGES_EVERY_S = 1.0  # stream depths and group backlogs for Prometheus (autoscaling, alerts)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Buffer:
         self.paused_until = 0.0
         self.status = "starting"
         self.last_batch_at = self.last_trim = time.monotonic()
+        self.next_gauges = 0.0
 
     # ------------------------------------------------------------------ the loop
 
@@ -93,8 +96,19 @@ class Buffer:
         while len(self.carry) >= self.s.batch_size:
             self.publish_batch()
         self.m.carry.set(len(self.carry))
+        if time.monotonic() >= self.next_gauges:
+            self.update_stream_gauges()
         if time.monotonic() - self.last_trim >= self.s.trim_every_s:
             self.trim()
+
+    def update_stream_gauges(self) -> None:
+        """Depth of every stream (the dead-letter one included) and each group's backlog, every second."""
+        for name in (STREAM_PROMPTS, STREAM_ROLLOUTS, STREAM_BATCHES, DEAD_LETTER_STREAM):
+            st = stream_stats(self.client, name)
+            self.m.stream_depth.labels(name).set(st.length)
+            for g in st.groups:
+                self.m.backlog.labels(name, g.name).set((g.lag or 0) + g.pending)
+        self.next_gauges = time.monotonic() + GAUGES_EVERY_S
 
     def trim(self) -> None:
         """Bound the streams' memory: drop old entries every group has acknowledged (never others)."""
@@ -180,6 +194,9 @@ class Buffer:
 
     def accept(self, d: Delivery[ScoredGroup], version: int) -> None:
         g = d.message
+        if any(c.entry_id == d.entry_id for c in self.carry):  # the very entry we hold: never acknowledge it here
+            log.warning("group %s delivered again while in the carry; kept once", g.group_id)
+            return
         if g.group_id in self.published or any(c.message.group_id == g.group_id for c in self.carry):
             self._drop(d, "duplicate", version)
             return
@@ -250,7 +267,5 @@ class Buffer:
         self.m.fill_seconds.observe(now - self.last_batch_at)
         self.last_batch_at = now
         self.m.batches.inc()
-        for name in (STREAM_PROMPTS, STREAM_ROLLOUTS, STREAM_BATCHES):
-            self.m.stream_depth.labels(name).set(stream_stats(self.client, name).length)
         log.info("batch %d: %d groups, versions %d..%d", batch_id, len(take), batch.min_version, batch.max_version)
         return batch

@@ -53,6 +53,7 @@ KEY_SYNC_GENERATION = "dapo:sync:generation"  # weight sync (services/common/wei
 KEY_SYNC_GROUP = "dapo:sync:group"  # a packed SyncGroup: the learner's current broadcast group
 KEY_WEIGHTS = "dapo:weights"  # a packed WeightVersion: the last broadcast round
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+RECLAIM_SCAN = 100  # pending entries looked at per reclaim pass, and held entries touched per call
 
 M = TypeVar("M", bound=Message)
 
@@ -264,7 +265,14 @@ class StreamConsumer(Generic[M]):
     """One consumer of a consumer group, reading messages of type `model`.
 
     `read` returns, in this order: this consumer's own pending entries (once, after a restart under
-    the same name), entries reclaimed from consumers idle for `claim_idle_ms`, then new entries.
+    the same name), entries reclaimed after `claim_idle_ms` without progress, then new entries.
+
+    What `read` returned is *held* until it is acknowledged (`ack`, `ack_and_publish`, dead-lettered) or
+    given back (`release`). A held entry is never reclaimed, by this consumer or by another: the
+    consumer touches its held entries (XCLAIM JUSTID: their idle time restarts, their delivery count
+    does not grow) so that a buffer holding a group in its carry, or a learner holding a trained batch
+    until its checkpoint, keeps it. Reclaimed are other consumers' idle entries (a dead or stalled
+    consumer), and this consumer's own entries it no longer holds (released, or from before a restart).
     """
 
     def __init__(
@@ -287,8 +295,10 @@ class StreamConsumer(Generic[M]):
         self.dead_letter_stream, self.max_message_bytes = dead_letter_stream, max_message_bytes
         self._metrics = StreamMetrics.of(registry)
         self._own_cursor: str | None = "0-0"  # None once our own pending list has been replayed
-        self._claim_cursor = "0-0"
+        self._claim_cursor = "-"
         self._next_claim = 0.0
+        self.held: set[str] = set()  # delivered by read(), not yet acknowledged or released
+        self._next_touch = 0.0
         self._forward_script = client.register_script(_FORWARD_LUA)
         if create_group:
             ensure_group(client, stream, group)
@@ -301,6 +311,7 @@ class StreamConsumer(Generic[M]):
         if timeout is not None and block_ms >= timeout * 1000:
             raise ValueError(f"block_ms={block_ms} must be shorter than the socket timeout ({timeout} s)")
         with redis_errors(self.client):
+            self._touch_held()
             out = self._replay_own(count) if self._own_cursor is not None else []
             if len(out) < count and time.monotonic() >= self._next_claim:
                 out += self._reclaim(count - len(out))
@@ -317,20 +328,52 @@ class StreamConsumer(Generic[M]):
         return self._admit(entries, counted=True)
 
     def _reclaim(self, count: int) -> list[Delivery[M]]:
-        resp = self.client.xautoclaim(
-            self.stream, self.group, self.name, self.claim_idle_ms, self._claim_cursor, count=count
-        )
-        cursor, entries = as_str(resp[0]), resp[1]
-        deleted = resp[2] if len(resp) > 2 else []  # Redis >= 7 lists deleted ids separately
-        if cursor == "0-0":  # a full pass: wait before scanning the pending list again
+        """Idle pending entries that are not held here: another consumer's, or ours but released."""
+        scan = max(count, RECLAIM_SCAN)
+        pend = self.client.xpending_range(self.stream, self.group, min=self._claim_cursor, max="+", count=scan,
+                                          idle=self.claim_idle_ms)  # fmt: skip
+        ids = [i for p in pend if (i := as_str(p["message_id"])) not in self.held][:count]
+        if len(pend) < scan:  # a full pass: wait before scanning the pending list again
+            self._claim_cursor = "-"
             self._next_claim = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
-        self._claim_cursor = cursor
-        if deleted:
-            self._ack_ids([as_str(i) for i in deleted])
+        else:
+            self._claim_cursor = next_id(ids[-1] if len(ids) == count else as_str(pend[-1]["message_id"]))
+        if not ids:
+            return []
+        # XCLAIM with the idle bound again: an entry another consumer took meanwhile stays theirs
+        claimed = self.client.xclaim(self.stream, self.group, self.name, self.claim_idle_ms, ids)
+        entries = [e for e in claimed if e and e[0] is not None]  # Redis 6.2: (None, None) for a deleted entry
+        got = {as_str(e[0]) for e in entries}
+        gone = [i for i in ids if i not in got and not self.client.xrange(self.stream, min=i, max=i)]
+        if gone:  # deleted while pending (trimmed): nothing left to process
+            self._ack_ids(gone)
         if entries:
             self._metrics.reclaimed.labels(self.stream, self.group).inc(len(entries))
             log.info("reclaimed %d idle entries of %s/%s", len(entries), self.stream, self.group)
         return self._admit(entries, counted=True)
+
+    def keep_alive(self) -> None:
+        """Keep the held entries from being reclaimed while not reading (read() does this itself)."""
+        with redis_errors(self.client):
+            self._touch_held()
+
+    def _touch_held(self) -> None:
+        """Restart the idle time of the entries held here that are still ours, so that no consumer reclaims them;
+        JUSTID leaves their delivery counts alone. Only entries idle for a third of the claim time are touched,
+        so one that another consumer has just taken (idle ~0) is not taken back."""
+        every_ms = max(self.claim_idle_ms // 3, 1)
+        if not self.held or time.monotonic() < self._next_touch:
+            return
+        self._next_touch = time.monotonic() + every_ms / 1000
+        held = sorted(self.held, key=parse_id)
+        for start in range(0, len(held), RECLAIM_SCAN):
+            chunk = held[start : start + RECLAIM_SCAN]
+            self.client.xclaim(self.stream, self.group, self.name, every_ms, chunk, justid=True)
+
+    def release(self, *entry_ids: str) -> None:
+        """Give entries back without acknowledging them: once idle for `claim_idle_ms`, any consumer (this one
+        too) reclaims them."""
+        self.held.difference_update(entry_ids)
 
     def _read_new(self, count: int, block_ms: int) -> list[Delivery[M]]:
         resp = self.client.xreadgroup(self.group, self.name, {self.stream: ">"}, count=count, block=block_ms)
@@ -361,6 +404,7 @@ class StreamConsumer(Generic[M]):
             self._ack_ids(gone)
         if dead:
             self._dead_letter(dead)
+        self.held.update(d.entry_id for d in good)
         self._metrics.delivered.labels(self.stream, self.group).inc(len(good))
         return good
 
@@ -369,6 +413,12 @@ class StreamConsumer(Generic[M]):
         for i in ids:
             pipe.xpending_range(self.stream, self.group, min=i, max=i, count=1)
         return {as_str(r[0]["message_id"]): int(r[0]["times_delivered"]) for r in pipe.execute() if r}
+
+    def dead_letter(self, deliveries: Iterable[Delivery[M]], kind: str, reason: str) -> None:
+        """Move messages that fail on their own (not because a dependency is down) to the dead-letter stream, with
+        why; `dapo-mesh redrive` puts them back once the cause is fixed."""
+        with redis_errors(self.client):
+            self._dead_letter([(d.entry_id, encode(d.message), kind, reason) for d in deliveries])
 
     def _dead_letter(self, dead: list[tuple[str, dict[bytes, bytes], str, str]]) -> None:
         """Copy each entry to the dead-letter stream with its reason, then ack it (one script)."""
@@ -398,7 +448,9 @@ class StreamConsumer(Generic[M]):
             for k, v in fields.items():
                 args += [k, v]
         args += ack_ids
-        return [as_str(i) for i in self._forward_script(keys=keys, args=args)]
+        added = [as_str(i) for i in self._forward_script(keys=keys, args=args)]
+        self.held.difference_update(ack_ids)
+        return added
 
     # -- acknowledging
 
@@ -409,6 +461,7 @@ class StreamConsumer(Generic[M]):
 
     def _ack_ids(self, entry_ids: list[str]) -> None:
         self.client.xack(self.stream, self.group, *entry_ids)
+        self.held.difference_update(entry_ids)
         self._metrics.acked.labels(self.stream, self.group).inc(len(entry_ids))
 
     def ack_and_publish(self, entry_ids: Iterable[str], outputs: Iterable[tuple[str, Message]]) -> list[str]:

@@ -6,7 +6,8 @@ directory, and puts every dispatched prompt (task id) in exactly one place:
 
     trained        in a batch whose update the checkpointed weights contain
     in_batch       in a published batch the learner has not trained (yet)
-    dropped        the buffer decided not to train it, with the reason (dynamic sampling, stale, duplicate)
+    dropped        the buffer decided not to train it, with the reason (dynamic sampling, stale); a group
+                   dropped as a duplicate counts where its other copy is, and as vanished if that is nowhere
     at_buffer      scored, waiting for the buffer (its pending list or unread)
     at_rollout     not answered yet (the rollout group's pending list or unread)
     dead_lettered  moved to the dead-letter stream
@@ -119,11 +120,14 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     waiting_groups = _waiting(client, STREAM_ROLLOUTS, GROUP_BUFFER, [i for i, _ in rollouts])
     at_buffer = {decode(f, ScoredGroup).task.task_id for i, f in rollouts if i in waiting_groups}
 
-    dropped: dict[str, str] = {}
+    reasons: dict[str, set[str]] = defaultdict(set)
     for _, f in _entries(client, STREAM_DROPPED):
         d = decode(f, DroppedGroup)
-        dropped.setdefault(d.task_id, d.reason)
-    r.dropped_by_reason = dict(Counter(dropped.values()))
+        reasons[d.task_id].add(d.reason)
+    # a group dropped only as a duplicate is accounted by its other copy: with none trained, batched or waiting,
+    # it was a copy of itself (a consumer that reclaimed what it still held) and the group is lost
+    dropped = {t: min(rs - {"duplicate"}) for t, rs in reasons.items() if rs - {"duplicate"}}
+    r.dropped_by_reason = dict(Counter(min(rs) if rs == {"duplicate"} else dropped[t] for t, rs in reasons.items()))
 
     state = read_state(paths.learner)
     trained_ids = state.trained if state is not None else []

@@ -17,8 +17,9 @@ import redis
 from services.common.redis_server import EmbeddedRedis
 from services.common.schemas import ScoredGroup, TrainBatch
 from services.common.selfcheck import example_group, example_messages
-from services.common.stream_admin import dead_letters, safe_trim, stream_stats
+from services.common.stream_admin import dead_letters, redrive, safe_trim, stream_stats
 from services.common.streams import (
+    DEAD_LETTER_STREAM,
     RedisUnavailable,
     StreamConsumer,
     StreamProducer,
@@ -141,16 +142,63 @@ def test_malformed_entries_go_to_dead_letter_and_consumer_keeps_going(client, st
 
 
 def test_poison_message_dead_lettered_after_max_deliveries(client, stream) -> None:
-    c = consumer(client, stream, claim_idle_ms=50, max_deliveries=3)
     entry_id = StreamProducer(client, stream).publish(example_group(0, n_tokens=4))
     deliveries = []
-    for _ in range(4):  # the handler "crashes" every time: never acks
-        time.sleep(0.08)
+    for _ in range(4):  # the handler crashes every time: never acks, and the consumer restarts (same name)
+        c = consumer(client, stream, claim_idle_ms=50, max_deliveries=3)
         deliveries += [d.deliveries for d in c.read(count=1, block_ms=100)]
     assert deliveries == [1, 2, 3]
     [(_, fields)] = client.xrange(f"{stream}:dead")
     assert fields[b"entry_id"].decode() == entry_id and fields[b"kind"] == b"max_deliveries"
     assert client.xpending(stream, "g")["pending"] == 0
+
+
+def test_held_entries_are_never_reclaimed_released_ones_are(client, stream) -> None:
+    """A consumer holding entries (a buffer's carry, a learner's trained-but-not-checkpointed batches) used to
+    reclaim them from itself once idle (XAUTOCLAIM does not look at the owner) and to see them as new deliveries;
+    another consumer could take them too. Held entries stay where they are; released ones are reclaimed."""
+    a = consumer(client, stream, "a", claim_idle_ms=150)
+    b = consumer(client, stream, "b", claim_idle_ms=150)
+    ids = StreamProducer(client, stream).publish_many(example_group(i, n_tokens=4) for i in range(4))
+    assert sorted(d.entry_id for d in drain(a, 4)) == sorted(ids)
+    for _ in range(6):  # six claim times
+        time.sleep(0.15)
+        assert a.read(count=4, block_ms=10) == []  # not its own held entries again
+        assert b.read(count=4, block_ms=10) == []  # nor another consumer's: `a` keeps them alive
+    pending = client.xpending_range(stream, "g", min="-", max="+", count=10)
+    assert {p["consumer"].decode() for p in pending} == {"a"} and {p["times_delivered"] for p in pending} == {1}
+    a.release(ids[0])
+    time.sleep(0.2)
+    [d] = drain(b, 1)  # released, idle: reclaimed (by `b` here; `a` itself would too)
+    assert (d.entry_id, d.deliveries) == (ids[0], 2)
+    assert a.read(count=4, block_ms=10) == []
+    a.ack(*ids[1:])
+    b.ack(ids[0])
+    assert client.xpending(stream, "g")["pending"] == 0 and not a.held and not b.held
+
+
+def test_redrive_puts_dead_letters_back(client, stream) -> None:
+    """Dead letters back on their stream once their cause is fixed: filtered, dry run first, each moved once."""
+    client.delete(DEAD_LETTER_STREAM)
+    try:
+        c = consumer(client, stream, dead_letter_stream=DEAD_LETTER_STREAM)
+        groups = [example_group(i, n_tokens=4) for i in range(3)]
+        StreamProducer(client, stream).publish_many(groups)
+        got = drain(c, 3)
+        c.dead_letter(got[:2], "reward_rejected", "413: response too long")
+        c.dead_letter(got[2:], "other", "something else")
+        assert client.xpending(stream, "g")["pending"] == 0 and client.xlen(DEAD_LETTER_STREAM) == 3
+
+        dry = redrive(client, kind="reward_rejected", dry_run=True)
+        assert [(m.stream, m.kind, m.new_id) for m in dry] == [(stream, "reward_rejected", None)] * 2
+        assert client.xlen(DEAD_LETTER_STREAM) == 3  # nothing moved
+        moved = redrive(client, stream=stream, match="too long")
+        assert len(moved) == 2 and client.xlen(DEAD_LETTER_STREAM) == 1
+        again = drain(c, 2)
+        assert [d.message for d in again] == groups[:2] and [d.entry_id for d in again] == [m.new_id for m in moved]
+        assert redrive(client, stream="elsewhere") == [] and client.xlen(DEAD_LETTER_STREAM) == 1
+    finally:
+        client.delete(DEAD_LETTER_STREAM)
 
 
 def test_ack_and_publish_is_atomic_forwarding(client, stream) -> None:
