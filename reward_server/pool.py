@@ -17,13 +17,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
-from reward_server.worker import HEADER, MAX_FRAME, frame
+from reward_server.worker import HEADER, MAX_FRAME, frame, worker_env
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,11 @@ class VerifierPool:
         size: int,
         *,
         start_timeout_s: float = 120.0,
+        memory_mb: int = 0,
         on_restart: Callable[[], None] | None = None,
     ):
         self.size = size
+        self.memory_mb = memory_mb  # each worker's address space (0: no limit)
         self.start_timeout_s = start_timeout_s
         self.on_restart = on_restart
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
@@ -87,6 +90,8 @@ class VerifierPool:
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self.starting = 0  # workers being started (at start, or replacing one that was killed)
+        self.spawn_failures = 0  # in a row: > 0 means a new worker could not be started (the pool is broken)
 
     @property
     def alive(self) -> int:
@@ -101,8 +106,20 @@ class VerifierPool:
             self._idle.put_nowait(w)
 
     async def _spawn(self) -> _Worker:
+        self.starting += 1
+        try:
+            w = await self._start_worker()
+        except BaseException:
+            self.spawn_failures += 1
+            raise
+        finally:
+            self.starting -= 1
+        self.spawn_failures = 0
+        return w
+
+    async def _start_worker(self) -> _Worker:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "reward_server.worker",
+            sys.executable, "-m", "reward_server.worker", str(self.memory_mb), env=worker_env(os.environ),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         w = _Worker(proc)
@@ -113,7 +130,10 @@ class VerifierPool:
             w.kill()
             self._workers.discard(w)
             raise
-        assert hello.get("ready") == proc.pid, hello
+        if hello.get("ready") != proc.pid or hello.get("selfcheck") is not True:
+            w.kill()
+            self._workers.discard(w)
+            raise WorkerDied(f"worker {proc.pid} failed its start-up verification: {hello}")
         return w
 
     async def _replace(self, dead: _Worker) -> None:

@@ -1,5 +1,9 @@
 """Turns score requests into results: cache, inline or pooled verification, overlong shaping.
 
+Only bounded work runs inline, in the event loop: dapo_math on the response's last 300 characters and a ground
+truth of at most INLINE_MAX_GROUND_TRUTH characters (linear time). Everything else goes to the worker pool, each
+item under `item_timeout_s`, so no request can keep /healthz or another request waiting.
+
 Verdicts are cached by (verifier, ground truth, what of the response the verifier reads): the last
 300 characters for dapo_math, a hash of the whole response otherwise. Timeouts and errors are not
 cached. The overlong penalty depends on the item's token count, so it is added after the cache.
@@ -21,7 +25,7 @@ from reward_server.overlong import overlong_penalty
 from reward_server.pool import JobTimeout, VerifierPool, WorkerDied
 from reward_server.settings import RewardSettings
 from reward_server.verifiers import INLINE, Verdict, run_verifier
-from reward_server.verifiers.dapo_math import TAIL_CHARS
+from reward_server.verifiers.dapo_math import INLINE_MAX_GROUND_TRUTH, TAIL_CHARS
 from services.common.schemas import ScoreItem, ScoreResult
 
 log = logging.getLogger(__name__)
@@ -67,8 +71,8 @@ class Scorer:
             if self.cache is not None and (hit := self.cache.get(key)) is not None:
                 verdicts[i] = hit
                 hits += 1
-            elif item.verifier in INLINE:
-                verdicts[i] = self._remember(key, self._inline(item))
+            elif item.verifier in INLINE and len(item.ground_truth) <= INLINE_MAX_GROUND_TRUTH:
+                verdicts[i] = self._remember(key, self._inline(item))  # linear in <= 300 + 4096 characters
             else:
                 pooled.append((i, key))
         if pooled:

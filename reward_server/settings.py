@@ -14,6 +14,9 @@ class RewardSettings(ServiceSettings):
     workers: int = Field(2, ge=1, le=256, description="Verifier worker processes (math-verify, reasoning-gym).")
     item_timeout_s: float = Field(5.0, gt=0, le=600, description="Hard time limit of one verification.")
     worker_start_timeout_s: float = Field(120.0, gt=0, description="Time a new worker may take to start.")
+    worker_memory_mb: int = Field(
+        2048, ge=0, description="Address space of each verifier worker (RLIMIT_AS; ~320 MB used at rest; 0: no limit)."
+    )
     max_items: int = Field(4096, ge=1, description="Items per request (413 beyond).")
     max_response_chars: int = Field(200_000, ge=1, description="Characters per response (413 beyond).")
     max_ground_truth_chars: int = Field(100_000, ge=1, description="Characters per ground truth (413 beyond).")

@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -156,8 +157,11 @@ def test_many_slow_items_under_load_all_time_out_and_server_recovers(server: str
     )
     assert [r["timed_out"] for r in got] == [True] * 4 + [False]
     assert got[-1]["acc"] is True
-    ready = httpx.get(f"{server}/readyz", headers=AUTH, timeout=30)
-    assert ready.status_code == 200 and ready.json()["detail"].startswith("2/2 workers")
+    deadline = time.monotonic() + 30  # the killed workers are replaced (readiness no longer waits for that)
+    while (ready := httpx.get(f"{server}/readyz", headers=AUTH, timeout=5)).json()["detail"] != "2/2 workers":
+        assert time.monotonic() < deadline, ready.json()
+        time.sleep(0.2)
+    assert ready.status_code == 200
 
 
 def _worker_pids(server_pid: int) -> list[int]:
@@ -261,3 +265,64 @@ def test_ready_metrics_and_config(server: str) -> None:
         assert name in m, name
     config = httpx.get(f"{server}/config", headers=AUTH).json()
     assert config["item_timeout_s"] == LIMIT_S and config["auth_token"] == "**********"
+
+
+def test_a_huge_ground_truth_does_not_stall_the_server(server: str) -> None:
+    """A line with one `$` made the reference normaliser quadratic (minutes at 100k characters) and it ran in the
+    event loop: /healthz did not answer meanwhile. Now it is linear, and long ground truths go to the pool."""
+    gt = "$" + "x" * 99_000 + "\n5"
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(r=score(server, [item("big", "Answer: 5", gt)], timeout=120)))
+    t.start()
+    time.sleep(0.2)
+    for _ in range(5):
+        assert httpx.get(f"{server}/healthz", timeout=3).status_code == 200
+    t.join(120)
+    (res,) = results(got["r"])
+    assert res["pred"] == "5" and res["acc"] is False and res["error"] is None  # "5" is not "xxx...\n5"
+    (short,) = results(score(server, [item("ok", "Answer: 5", "$5$")]))
+    assert short["acc"] is True
+
+
+def test_readiness_answers_while_the_pool_is_saturated(server: str) -> None:
+    """/readyz used to send its own check through the pool's queue: under load it waited behind every job and the
+    probe failed on a healthy server. It answers from the pool's state now."""
+    got: dict = {}
+    slow = [item(f"s{i}", SLOW, "2", "math_verify") for i in range(16)]  # ~8 s of work for 2 workers
+    t = threading.Thread(target=lambda: got.update(r=score(server, slow, timeout=120)))
+    t.start()
+    time.sleep(0.5)
+    for _ in range(3):  # workers are killed at their time limit and replaced meanwhile: still a working pool
+        r = httpx.get(f"{server}/readyz", headers=AUTH, timeout=2)
+        assert r.status_code == 200 and "/2 workers" in r.json()["detail"]
+    t.join(120)
+    assert all(x["timed_out"] for x in results(got["r"]))
+
+
+def _status(pid: int, field: str) -> int:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1])  # kB
+
+
+def test_workers_have_limits_and_no_secrets() -> None:
+    """A verification that wants gigabytes (2^(2^33) is a 1 GB integer; 2.8 GB of address space unbounded) stays
+    inside the worker's RLIMIT_AS and is answered; the workers never see the server's token."""
+    token = "worker-secret-0123456789"
+    env = {"DAPO_AUTH_TOKEN": token, "DAPO_REDIS_PASSWORD": "redis-secret-42"}
+    args = ("--workers", "2", "--worker-memory-mb", "700", "--item-timeout-s", "20")
+    with running("reward_server", *args, env=env, ready_path="/readyz", token=token) as (base, proc):
+        pids = _worker_pids(proc.pid)
+        assert len(pids) == 2
+        for pid in pids:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            assert token.encode() not in environ and b"redis-secret-42" not in environ
+            assert b"DAPO_" not in environ
+        big = item("big", "\\boxed{2^{2^{33}}}", "2", "math_verify")
+        r = httpx.post(f"{base}/v1/score", json={"items": [big, item("ok", "\\boxed{3}", "3", "math_verify")]},
+                       headers={"Authorization": f"Bearer {token}"}, timeout=120)  # fmt: skip
+        big_r, ok_r = results(r)
+        assert big_r["acc"] is False and ok_r["acc"] is True
+        for pid in _worker_pids(proc.pid):
+            assert _status(pid, "VmPeak") <= 700 * 1024  # the kernel held it to the limit
+        ready = httpx.get(f"{base}/readyz", headers={"Authorization": f"Bearer {token}"}, timeout=5)
+        assert ready.status_code == 200 and ready.json()["detail"] == "2/2 workers"

@@ -78,3 +78,23 @@ def test_parity_on_arbitrary_unicode(reference: ModuleType, response: str, gt: s
 @given(answer=text)
 def test_normalize_parity(reference: ModuleType, answer: str) -> None:
     assert normalize(answer) == reference.normalize_final_answer(answer)
+
+
+EDGES = ["$", "\n", "\\text{", "\\textbf{", "\\overline{", "\\boxed{", "}", "{", "a", " ", "="]
+
+
+@settings(max_examples=2000, deadline=None)
+@given(answer=st.lists(st.sampled_from(EDGES), max_size=30).map("".join))
+def test_normalize_parity_on_the_rewrites(reference: ModuleType, answer: str) -> None:
+    """Dense in what the line-by-line rewrites replace: $ spans, \\text{...}, \\boxed{...}, newlines."""
+    assert normalize(answer) == reference.normalize_final_answer(answer)
+
+
+def test_long_inputs_normalise_in_linear_time() -> None:
+    """What makes the reference's regexes quadratic (minutes at 100k characters): a long line with one `$`, or many
+    openers without a closing brace. Each finishes here well inside the suite's per-test timeout."""
+    assert normalize("$" + "x" * 100_000 + "\n5") == "x" * 100_000 + "\n5"
+    assert normalize("\\text{" * 20_000) == "\\text{" * 20_000
+    assert normalize("\\boxed{" * 15_000 + "7") == "\\boxed{" * 15_000 + "7"
+    assert dapo_math("Answer: 5", "$" + "y" * 100_000 + "$5$\n").acc is False
+    assert dapo_math("Answer: y", "$y$" + "$" * 100_000).acc is True
