@@ -13,7 +13,16 @@ log = logging.getLogger(__name__)
 
 
 class RewardUnavailable(RuntimeError):
-    """The reward server did not answer after the retries: leave the prompts pending."""
+    """The reward server did not answer after the retries (down, overloaded, unreachable): an outage of a
+    dependency. Keep the prompts and try again later; they are not at fault."""
+
+
+class RewardRejected(RuntimeError):
+    """The reward server answered 4xx: this request is at fault (too long, unknown verifier), not the server."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"reward server refused the request ({status}): {detail}")
+        self.status = status
 
 
 def _retryable(e: BaseException) -> bool:
@@ -46,9 +55,8 @@ class RewardClient:
     def _post(self, items: list[ScoreItem]) -> list[ScoreResult]:
         r = self.http.post("/v1/score", content=ScoreRequest(items=items).model_dump_json(),
                            headers={"content-type": "application/json"})  # fmt: skip
-        if r.status_code >= 400 and r.status_code not in (429, 502, 503, 504):
-            # a 4xx is our bug, not the server's state: retrying will not help, and the prompt must not be lost
-            raise RewardUnavailable(f"reward server refused the request ({r.status_code}): {r.text[:500]}")
+        if 400 <= r.status_code < 500 and r.status_code != 429:
+            raise RewardRejected(r.status_code, r.text[:500])  # retrying the same request will not help
         r.raise_for_status()
         return ScoreResponse.model_validate_json(r.content).results
 

@@ -6,8 +6,10 @@ Per iteration: read up to `prompts_per_call` PromptTasks (own pending first afte
 prompts another replica left idle, then new ones); generate G samples each in one engine call; score
 all samples in one request to the reward server; publish one ScoredGroup per prompt, tagged with the
 policy version of the weights that generated it, and acknowledge the prompts in the same server-side
-step. If the reward server stays down past the retries, the prompts stay pending: not lost, not
-acknowledged; they are reclaimed once idle for `claim_idle_ms`.
+step. If the reward server stays down past the retries, the replica keeps the prompts and their samples
+(held: no other replica reclaims them, their delivery count does not grow) and scores them again with
+backoff, reading nothing new meanwhile: an outage never dead-letters a prompt. A prompt whose own scoring
+request the server refuses (4xx) is dead-lettered with the answer; `dapo-mesh redrive` puts it back.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import redis
 
-from rollout.engine import Engine, SamplingParams, encode_prompt
+from rollout.engine import Completion, Engine, SamplingParams, encode_prompt
 from rollout.evaluate import evaluate, load_eval_items
 from rollout.metrics import RolloutMetrics
-from rollout.reward_client import RewardClient, RewardUnavailable
+from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
 from rollout.settings import RolloutSettings
 from rollout.weight_receiver import WeightReceiver
 from services.common.arrays import TokenIds
@@ -43,6 +46,7 @@ from services.common.streams import (
 )
 
 log = logging.getLogger(__name__)
+REWARD_BACKOFF_S, REWARD_BACKOFF_MAX_S = 1.0, 30.0  # between scoring attempts while the reward server is down
 
 
 class Worker:
@@ -58,6 +62,8 @@ class Worker:
         self.state = "starting"
         self.tokens_per_s = 0.0
         self.done = 0
+        self.unscored: Generated | None = None  # generated, held while the reward server is down
+        self.retry_at, self.backoff_s = 0.0, REWARD_BACKOFF_S
         self.next_eval = 0  # the held-out evaluation runs at the first version at or past this one
         self.eval_items: list[Item] | None = None
         self.eval_out = StreamProducer(client, STREAM_EVAL, registry=metrics.registry)
@@ -138,7 +144,7 @@ class Worker:
             params = SamplingParams(s.temperature, s.eval_top_p, s.max_response_tokens, s.eval_seed)
             report, _ = evaluate(self.engine, self.eval_items, self.reward, k=s.eval_k, params=params,
                                  chat_template=s.chat_template)  # fmt: skip
-        except (FileNotFoundError, RewardUnavailable) as e:  # the buffer has not written eval.jsonl yet; reward down
+        except (FileNotFoundError, RewardUnavailable, RewardRejected) as e:  # no eval.jsonl yet; reward down
             log.warning("held-out evaluation of version %d postponed: %s", version, e)
             return None
         result = EvalResult(version=version, replica_id=s.replica_id, k=report.k, n_prompts=report.n_prompts,
@@ -157,24 +163,58 @@ class Worker:
 
     def step(self) -> int:
         self.sync_weights()  # weights change only between engine calls
+        if self.unscored is not None:  # the reward server was down: nothing new until these are scored
+            self.consumer.keep_alive()
+            if time.monotonic() < self.retry_at:
+                time.sleep(min(0.5, self.retry_at - time.monotonic()))
+                return 0
+            return self.publish(self.unscored)
         self.maybe_evaluate()
         deliveries = self.consumer.read(count=self.s.prompts_per_call, block_ms=1000)
         if not deliveries:
             return 0
-        groups = self.rollout(deliveries)
-        if groups is None:
+        return self.publish(self.generate(deliveries))
+
+    def publish(self, gen: Generated) -> int:
+        """Score, then publish the groups and acknowledge their prompts in one step. A reward outage keeps the
+        prompts (held, retried with backoff: an outage is not the prompts' fault, so they are never dead-lettered
+        for it); a prompt the reward server rejects on its own is dead-lettered, the others go on."""
+        try:
+            try:
+                groups = self.score(gen)
+            except RewardRejected:
+                groups = self.score_one_by_one(gen)
+        except RewardUnavailable as e:
+            self.m.reward_failures.inc()
+            self.unscored = gen
+            self.retry_at = time.monotonic() + self.backoff_s
+            log.error("%s; %d prompts held, scoring again in %.0f s", e, len(gen.deliveries), self.backoff_s)
+            self.backoff_s = min(self.backoff_s * 2, REWARD_BACKOFF_MAX_S)
             return 0
-        self.consumer.ack_and_publish([d.entry_id for d in deliveries], [(STREAM_ROLLOUTS, g) for g in groups])
+        self.unscored, self.backoff_s = None, REWARD_BACKOFF_S
+        kept = [d for d in gen.deliveries if d.message.task_id in {g.group_id for g in groups}]
+        self.consumer.ack_and_publish([d.entry_id for d in kept], [(STREAM_ROLLOUTS, g) for g in groups])
         self.m.groups.inc(len(groups))
         self.done += len(groups)
         return len(groups)
 
-    def prompt_ids(self, task: PromptTask) -> list[int]:
-        if task.prompt_token_ids is not None:
-            return task.prompt_token_ids.tolist()
-        return encode_prompt(self.engine.tokenizer, task.prompt or "", self.s.chat_template)
+    def score_one_by_one(self, gen: Generated) -> list[ScoredGroup]:
+        """After a 4xx for the whole call: each prompt's samples on their own; a prompt whose own request is
+        refused is dead-lettered with the server's answer. An outage on the way raises before anything is
+        dead-lettered, and the whole call is held."""
+        groups: list[ScoredGroup] = []
+        refused: list[tuple[Delivery[PromptTask], RewardRejected]] = []
+        for i, d in enumerate(gen.deliveries):
+            try:
+                groups += self.score(gen.part(i))
+            except RewardRejected as e:
+                refused.append((d, e))
+        for d, why in refused:
+            log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
+            self.consumer.dead_letter([d], "reward_rejected", str(why))
+        return groups
 
-    def rollout(self, deliveries: list[Delivery[PromptTask]]) -> list[ScoredGroup] | None:
+    def generate(self, deliveries: list[Delivery[PromptTask]]) -> Generated:
         tasks = [d.message for d in deliveries]
         prompts = [self.prompt_ids(t) for t in tasks]
         version = self.engine.version  # weights change only between engine calls
@@ -188,23 +228,28 @@ class Worker:
         self.m.tokens_per_second.set(self.tokens_per_s)
         self.m.samples.inc(sum(len(o) for o in outs))
         self.m.truncated.inc(sum(c.finish_reason == "length" for o in outs for c in o))
+        return Generated(deliveries, prompts, outs, version)
+
+    def prompt_ids(self, task: PromptTask) -> list[int]:
+        if task.prompt_token_ids is not None:
+            return task.prompt_token_ids.tolist()
+        return encode_prompt(self.engine.tokenizer, task.prompt or "", self.s.chat_template)
+
+    def score(self, gen: Generated) -> list[ScoredGroup]:
+        """One request to the reward server for every sample; raises RewardUnavailable / RewardRejected."""
+        tasks = [d.message for d in gen.deliveries]
         items = [
             ScoreItem(id=f"{i}/{j}", response=c.text, ground_truth=t.ground_truth, verifier=t.verifier,
                       response_tokens=len(c.token_ids), max_response_tokens=self.s.max_response_tokens)
-            for i, (t, o) in enumerate(zip(tasks, outs, strict=True)) for j, c in enumerate(o)
+            for i, (t, o) in enumerate(zip(tasks, gen.outs, strict=True)) for j, c in enumerate(o)
         ]  # fmt: skip
         t0 = time.perf_counter()
-        try:
-            results = iter(self.reward.score(items))
-        except RewardUnavailable as e:
-            self.m.reward_failures.inc()
-            log.error("%s; %d prompts stay pending", e, len(tasks))
-            return None
+        results = iter(self.reward.score(items))
         self.m.reward_seconds.observe(time.perf_counter() - t0)
         groups = []
-        for task, prompt, o in zip(tasks, prompts, outs, strict=True):
+        for task, prompt, o in zip(tasks, gen.prompts, gen.outs, strict=True):
             samples = [Sample(response_token_ids=c.token_ids, response_text=c.text, logprobs=c.logprobs,
-                              finish_reason=c.finish_reason, policy_version=version) for c in o]  # fmt: skip
+                              finish_reason=c.finish_reason, policy_version=gen.version) for c in o]  # fmt: skip
             scores = []
             for _ in o:
                 r = next(results)
@@ -212,3 +257,16 @@ class Worker:
             task = task.model_copy(update={"prompt_token_ids": TokenIds(prompt)})  # the learner trains on these
             groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id=self.s.replica_id))
         return groups
+
+
+@dataclass(frozen=True)
+class Generated:
+    """An engine call's output, until the reward server has scored it."""
+
+    deliveries: list[Delivery[PromptTask]]
+    prompts: list[list[int]]
+    outs: list[list[Completion]]
+    version: int  # of the weights that generated it
+
+    def part(self, i: int) -> Generated:
+        return Generated([self.deliveries[i]], [self.prompts[i]], [self.outs[i]], self.version)

@@ -85,3 +85,43 @@ def dead_letters(client: redis.Redis, count: int = 100) -> list[dict[str, Any]]:
             rec[key] = v if key.startswith("orig:") else as_str(v)
         out.append(rec)
     return out
+
+
+_REDRIVE_LUA = """
+local added = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+redis.call('XDEL', KEYS[2], ARGV[1])
+return added
+"""  # KEYS: the original stream, the dead-letter stream; ARGV: the dead letter's id, then the original fields
+
+
+@dataclass(frozen=True)
+class Redriven:
+    dead_letter_id: str
+    stream: str
+    kind: str
+    reason: str
+    new_id: str | None  # None in a dry run
+
+
+def redrive(client: redis.Redis, *, stream: str | None = None, kind: str | None = None, match: str | None = None,
+            dry_run: bool = False, limit: int = 10_000) -> list[Redriven]:  # fmt: skip
+    """Dead letters back to the stream they came from, as new entries with their original fields; each moved in
+    one server-side step (added there, deleted here). Filters: the original `stream`, the dead-letter `kind`
+    (max_deliveries, reward_rejected, invalid, ...), text the `reason` contains. Oldest first."""
+    script = client.register_script(_REDRIVE_LUA)
+    out = []
+    with redis_errors(client):
+        rows = client.xrange(DEAD_LETTER_STREAM, count=limit)
+        for entry_id, fields in rows:
+            f = {as_str(k): v for k, v in fields.items()}
+            origin, why, text = as_str(f.get("stream", b"")), as_str(f.get("kind", b"")), as_str(f.get("reason", b""))
+            if (stream and origin != stream) or (kind and why != kind) or (match and match not in text) or not origin:
+                continue
+            orig = [x for k, v in f.items() if k.startswith("orig:") for x in (k.removeprefix("orig:"), v)]
+            if not orig:
+                continue
+            new_id = None
+            if not dry_run:
+                new_id = as_str(script(keys=[origin, DEAD_LETTER_STREAM], args=[as_str(entry_id), *orig]))
+            out.append(Redriven(as_str(entry_id), origin, why, text, new_id))
+    return out

@@ -168,6 +168,27 @@ def audit(
     raise typer.Exit(0 if report.balanced else 1)
 
 
+@app.command()
+def redrive(
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    stream: Annotated[str | None, typer.Option(help="Only dead letters from this stream, e.g. dapo:prompts.")] = None,
+    kind: Annotated[str | None, typer.Option(help="Only this kind: reward_rejected, max_deliveries, ...")] = None,
+    match: Annotated[str | None, typer.Option(help="Only dead letters whose reason contains this text.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would move; move nothing.")] = False,
+) -> None:
+    """Put dead letters back on the stream they came from (after fixing their cause), oldest first."""
+    from services.common.stream_admin import redrive as run_redrive
+    from services.common.streams import connect
+
+    client = connect(redis_url or "redis://127.0.0.1:6379/0", retries=1)
+    moved = run_redrive(client, stream=stream, kind=kind, match=match, dry_run=dry_run)
+    table = Table("dead letter", "to stream", "kind", "reason", "new entry",
+                  title=f"{len(moved)} dead letters {'would move' if dry_run else 'moved'}")  # fmt: skip
+    for m in moved:
+        table.add_row(m.dead_letter_id, m.stream, m.kind, m.reason[:60], m.new_id or "-")
+    console.print(table)
+
+
 @app.command("eval")
 def evaluate(
     model: Annotated[Path | None, typer.Option(help="HF model folder; default: SmolLM2-135M-Instruct.")] = None,

@@ -16,6 +16,7 @@ from services.common.launch import ROOT, child_env
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup
 from services.common.streams import (
+    DEAD_LETTER_STREAM,
     REPLICA_KEY_PREFIX,
     STREAM_PROMPTS,
     STREAM_ROLLOUTS,
@@ -127,5 +128,35 @@ def test_two_replicas_share_and_a_killed_one_loses_nothing(model_dir: Path, rewa
     held_ids = {e["message_id"] for e in held}
     held_tasks = {decode(f, PromptTask).task_id for i, f in client.xrange(STREAM_PROMPTS) if i in held_ids}
     by_task = {g.task.task_id: g.replica_id for g in got}
-    assert held_tasks and all(by_task[t] == "b" for t in held_tasks)  # the dead replica's prompts went to "b"
+    assert held_tasks and all(by_task[t] == "b" for t in held_tasks), by_task  # the dead replica's prompts: "b"
     assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0
+
+
+@pytest.mark.slow
+def test_a_reward_outage_holds_the_prompts_and_dead_letters_none(model_dir: Path, server: EmbeddedRedis) -> None:
+    """A reward server down for longer than the retries used to leave the prompts to be reclaimed; after 5
+    deliveries they went to the dead-letter stream. Now the replica holds them (delivered once, never reclaimed)
+    and scores them again with backoff until the server is back."""
+    client = connect(server.url)
+    port = free_port()
+    ensure_group(client, STREAM_PROMPTS, "rollout")
+    StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(2))
+    proc = start(model_dir, server.url, f"http://127.0.0.1:{port}", "r0", "--reward-retries", "0",
+                 "--claim-idle-ms", "300")  # fmt: skip
+    reward = None
+    try:
+        deadline = time.monotonic() + 180
+        while len(client.xpending_range(STREAM_PROMPTS, "rollout", "-", "+", 10)) < 2:
+            assert time.monotonic() < deadline, "the replica took no prompt"
+            time.sleep(0.1)
+        time.sleep(8)  # > 25 claim times, several scoring attempts
+        pending = client.xpending_range(STREAM_PROMPTS, "rollout", "-", "+", 10)
+        assert [(p["consumer"], p["times_delivered"]) for p in pending] == [(b"r0", 1)] * 2
+        assert client.xlen(DEAD_LETTER_STREAM) == 0 and groups(client) == []
+        reward = subprocess.Popen([sys.executable, "-m", "reward_server", "--port", str(port), "--workers", "1"],
+                                  env=child_env(), cwd=ROOT)  # fmt: skip
+        got = wait_groups(client, 2, timeout_s=120)  # the next attempt finds it (backoff at most 30 s)
+    finally:
+        stop(proc, *([reward] if reward else []))
+    assert sorted(g.task.task_id for g in got) == ["t0", "t1"]
+    assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0 and client.xlen(DEAD_LETTER_STREAM) == 0
