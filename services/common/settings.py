@@ -10,12 +10,13 @@ A bad value stops the service at start-up with a message that names the setting.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict, SettingsError
 
 S = TypeVar("S", bound="DapoSettings")
@@ -81,12 +82,35 @@ class ServiceSettings(DapoSettings):
         None, description="Bearer token required on every endpoint except /healthz. Unset: no auth."
     )
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond).")
+    api_docs: bool = Field(False, description="Serve /openapi.json, /docs and /redoc (behind the token if one is set).")
+    insecure: bool = Field(False, description="Allow a non-loopback bind address without an auth token.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_json: bool = Field(False, description="Log one JSON object per line (for log shippers).")
 
+    @model_validator(mode="after")
+    def _no_open_network_service(self) -> Self:
+        if self.auth_token is None and not self.insecure and not is_loopback(self.host):
+            raise ValueError(
+                f"host {self.host!r} is reachable from the network and no auth token is set: set --auth-token "
+                "(DAPO_AUTH_TOKEN), bind 127.0.0.1, or pass --insecure to serve without one"
+            )
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost; 0.0.0.0 and every other address are reachable from the network."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
 
 def _setting_name(loc: tuple[Any, ...]) -> str:
-    field = str(loc[0]) if loc else "?"
+    if not loc:  # a rule over several settings
+        return "settings"
+    field = str(loc[0])
     return f"{field} (env DAPO_{field.upper()}, flag --{field.replace('_', '-')})"
 
 
@@ -99,7 +123,7 @@ def load_settings(cls: type[S], argv: Sequence[str] | None = None, *, prog: str 
         secret = {n for n, f in cls.model_fields.items() if "SecretStr" in str(f.annotation)}
         lines = [
             f"  {_setting_name(x['loc'])}: {x['msg']}"
-            + ("" if x["loc"] and x["loc"][0] in secret else f" (got {x.get('input')!r})")
+            + ("" if not x["loc"] or x["loc"][0] in secret else f" (got {x.get('input')!r})")
             for x in e.errors()
         ]
         sys.stderr.write(f"invalid settings for {prog or cls.__name__}:\n" + "\n".join(lines) + "\n")

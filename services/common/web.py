@@ -97,8 +97,9 @@ def create_app(
     ready: ReadyCheck | None = None,
     **fastapi_kwargs: Any,
 ) -> FastAPI:
-    """A FastAPI app with the standard endpoints; add the service's own routes to it."""
-    app = FastAPI(title=f"dapo-mesh {service}", **fastapi_kwargs)
+    """A FastAPI app with the standard endpoints; add the service's own routes to it. The API schema and its
+    pages are off unless `settings.api_docs`, and then behind the token like everything but /healthz."""
+    app = FastAPI(title=f"dapo-mesh {service}", docs_url=None, redoc_url=None, openapi_url=None, **fastapi_kwargs)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.state.settings = settings
     app.state.registry = registry
@@ -127,7 +128,28 @@ def create_app(
         """The resolved settings, secrets redacted."""
         return settings.redacted()
 
+    if settings.api_docs:
+        _add_docs(app)
     return app
+
+
+def _add_docs(app: FastAPI) -> None:
+    """/openapi.json, /docs and /redoc, each wanting the token (a browser page fetches the schema without it:
+    with a token set, read the schema with curl or a client that sends the header)."""
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+    from fastapi.responses import HTMLResponse, JSONResponse
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(_: Authorized) -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    def docs(_: Authorized) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc(_: Authorized) -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=app.title)
 
 
 def serve_in_thread(app: FastAPI, settings: ServiceSettings) -> Any:

@@ -36,7 +36,7 @@ MODES = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
 def fuzz(base: str, budget: dict[tuple[str, str], int], modes: tuple[GenerationMode, ...] = MODES) -> Counter[str]:
     """Run `budget[(method, path)]` generated cases per operation (half valid, half invalid; `modes` says which
     halves this call runs)."""
-    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=HEADERS)  # served with --api-docs
     stats: Counter[str] = Counter()
     for result in schema.get_all_operations():
         op = result.ok()
@@ -64,8 +64,8 @@ def fuzz(base: str, budget: dict[tuple[str, str], int], modes: tuple[GenerationM
 @pytest.mark.timeout(600)
 def test_reward_server_survives_10k_generated_requests(tmp_path: Path) -> None:
     log = tmp_path / "reward.log"
-    with running("reward_server", "--workers", "2", "--auth-token", TOKEN, ready_path="/readyz", token=TOKEN,
-                 log=log) as (base, proc):  # fmt: skip
+    with running("reward_server", "--workers", "2", "--auth-token", TOKEN, "--api-docs", ready_path="/readyz",
+                 token=TOKEN, log=log) as (base, proc):  # fmt: skip
         # generating cases is what takes the time (one core, ~25 ms a case): the invalid half is generated and sent
         # by a second process at the same time (its numbers come back as JSON on its stdout)
         half = subprocess.Popen([sys.executable, "-m", "tests.integration.test_fuzz_http", base], cwd=ROOT,
@@ -92,8 +92,8 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 
 @pytest.mark.slow
 def test_buffer_http_survives_generated_requests(tmp_path: Path, redis_url: str) -> None:
-    args = ["--redis-url", redis_url, "--auth-token", TOKEN, "--run-dir", str(tmp_path / "run"), "--dataset-size",
-            "50", "--eval-size", "5"]  # fmt: skip
+    args = ["--redis-url", redis_url, "--auth-token", TOKEN, "--api-docs", "--run-dir", str(tmp_path / "run"),
+            "--dataset-size", "50", "--eval-size", "5"]  # fmt: skip
     with running("services.buffer", *args, token=TOKEN, ready_path="/readyz") as (base, proc):
         stats = fuzz(base, {})
         assert proc.poll() is None

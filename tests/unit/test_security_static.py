@@ -33,7 +33,10 @@ def routes(app) -> list[APIRoute]:  # type: ignore[no-untyped-def]
 def test_every_route_but_healthz_wants_the_token() -> None:
     shared = create_app("x", ServiceSettings(auth_token="t"), CollectorRegistry())
     reward = build_app(RewardSettings(auth_token="t", workers=1))
-    for app in (shared, reward):
+    with_docs = create_app("x", ServiceSettings(auth_token="t", api_docs=True), CollectorRegistry())
+    assert {"/openapi.json", "/docs", "/redoc"} <= {r.path for r in routes(with_docs)}
+    assert not {"/openapi.json", "/docs", "/redoc"} & {r.path for r in shared.routes}  # off by default
+    for app in (shared, reward, with_docs):
         found = {r.path: guarded(r) for r in routes(app)}
         assert found["/healthz"] is False
         unguarded = sorted(p for p, g in found.items() if not g and p not in OPEN)

@@ -20,8 +20,21 @@ class DemoSettings(ServiceSettings, RedisSettings):
 def test_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DAPO_MAX_STALENESS", "2")
     monkeypatch.setenv("DAPO_PORT", "9000")
-    s = load_settings(DemoSettings, ["--port", "9001", "--host", "0.0.0.0"])
-    assert (s.host, s.port, s.max_staleness) == ("0.0.0.0", 9001, 2)  # flag beats env beats default
+    s = load_settings(DemoSettings, ["--port", "9001", "--host", "127.0.0.2"])
+    assert (s.host, s.port, s.max_staleness) == ("127.0.0.2", 9001, 2)  # flag beats env beats default
+
+
+def test_a_network_address_without_a_token_refuses_to_start(capsys) -> None:  # type: ignore[no-untyped-def]
+    for host in ("0.0.0.0", "10.1.2.3", "::", "example.org"):
+        with pytest.raises(SystemExit) as e:
+            load_settings(DemoSettings, ["--host", host], prog="demo")
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"host {host!r} is reachable from the network and no auth token is set" in err and "--insecure" in err
+    assert load_settings(DemoSettings, ["--host", "0.0.0.0", "--auth-token", "t"]).host == "0.0.0.0"
+    assert load_settings(DemoSettings, ["--host", "0.0.0.0", "--insecure"]).insecure is True
+    for host in ("127.0.0.1", "127.9.9.9", "::1", "localhost"):
+        assert load_settings(DemoSettings, ["--host", host]).host == host
 
 
 def test_bad_value_exits_with_the_setting_named(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
