@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from services.common.settings import RedisSettings, ServiceSettings
 
@@ -41,7 +41,12 @@ class LearnerSettings(ServiceSettings, RedisSettings):
         "broadcast", description="broadcast: send every version to the live replicas (gloo on CPU, NCCL on GPU)."
     )
     sync_host: str = Field("127.0.0.1", description="Address replicas use to reach the learner's sync rendezvous.")
-    sync_bind_host: str = Field("0.0.0.0", description="Interface the rendezvous store listens on.")
+    sync_bind_host: str | None = Field(
+        None, description="Interface the rendezvous store listens on (unset: the address of --sync-host)."
+    )
+    sync_secret: SecretStr | None = Field(
+        None, description="Key of the weight sync's MACs, shared with the replicas (unset: the auth token)."
+    )
     sync_port: int = Field(29600, ge=0, le=65535, description="Rendezvous port of the weight sync (0: a free port).")
     sync_timeout_s: float = Field(60.0, gt=0, description="A replica that does not answer a sync this long is dropped.")
     sync_bucket_mb: float = Field(64.0, gt=0, description="Size of the flat buckets weights are broadcast in.")

@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import msgpack
@@ -39,7 +38,10 @@ from services.common.weights import (
     broadcast,
     checksum,
     dtype_of,
+    mac,
     make_group,
+    store_server,
+    sync_key,
     total,
 )
 
@@ -103,12 +105,13 @@ class WeightSender:
             n = self.manifest.bucket_numel(b)
             if dt not in self.send_buffers or self.send_buffers[dt].numel() < n:
                 self.send_buffers[dt] = torch.zeros(n, dtype=dtype_of(dt), device=self.device)
+        self.key = sync_key(s)
+        bind = s.sync_bind_host or s.sync_host
         try:
-            self.store = dist.TCPStore(s.sync_bind_host, s.sync_port, None, True, timedelta(seconds=self.timeout_s),
-                                       wait_for_workers=False)  # fmt: skip
-        except Exception as e:  # noqa: BLE001 -- torch raises DistNetworkError/RuntimeError: say what to change
-            raise RuntimeError(f"weight sync: cannot listen on port {s.sync_port} ({e}); "
-                               "set DAPO_SYNC_PORT / --sync-port (0 picks a free port)") from e  # fmt: skip
+            self.store = store_server(bind, s.sync_port, self.timeout_s)
+        except Exception as e:  # noqa: BLE001 -- OSError, torch's DistNetworkError/RuntimeError: say what to change
+            raise RuntimeError(f"weight sync: cannot listen on {bind}:{s.sync_port} ({e}); set DAPO_SYNC_PORT / "
+                               "--sync-port (0 picks a free port) or --sync-bind-host") from e  # fmt: skip
         self.port = int(self.store.port)
         self.gen: Generation | None = None
         self.quarantine: dict[str, Quarantine] = {}
@@ -197,7 +200,9 @@ class WeightSender:
             return
         number = int(self.client.incr(KEY_SYNC_GENERATION))  # type: ignore[arg-type]
         ps: Any = dist.PrefixStore(f"g{number}/", self.store)
-        ps.set("manifest", self.manifest.to_bytes())
+        manifest = self.manifest.to_bytes()
+        ps.set("manifest/mac", mac(self.key, "manifest", number, manifest))  # before the manifest: readers wait on it
+        ps.set("manifest", manifest)
         invited = [beats[r].incarnation for r in members]
         announce = SyncGroup(generation=number, host=self.s.sync_host, port=self.port, candidates=members,
                              timeout_s=self.timeout_s, incarnations=invited)  # fmt: skip
@@ -242,7 +247,9 @@ class WeightSender:
             gen.pg.abort()
             log.warning("weight sync: round %d (version %d) broken: %s", gen.round, version, e)
         if error is None:
-            gen.store.set(f"{key}/sums", msgpack.packb(sums))
+            packed = msgpack.packb(sums)
+            gen.store.set(f"{key}/mac", mac(self.key, "round", gen.number, gen.round, version, packed))
+            gen.store.set(f"{key}/sums", packed)
         answered = self._await(gen.store, {r: f"{key}/ack/{r}" for r in gen.members}, beats)
         good = []
         for r in answered:

@@ -18,12 +18,15 @@ class RolloutMetrics:
         )
         self.reward_seconds = Histogram("dapo_rollout_reward_seconds", "Scoring request latency.", registry=r,
                                         buckets=buckets)  # fmt: skip
-        self.reward_failures = Counter("dapo_rollout_reward_failures", "Batches left pending: reward down.", registry=r)
+        self.reward_failures = Counter("dapo_rollout_reward_failures", "Scoring attempts that found the reward "
+                                       "server down (the prompts are held and retried).", registry=r)  # fmt: skip
         self.groups = Counter("dapo_rollout_groups_published", "Scored groups published.", registry=r)
         self.version = Gauge("dapo_rollout_weight_version", "Policy version of the weights held.", registry=r)
         self.sync_rounds = Counter("dapo_rollout_sync_rounds", "Weight broadcasts received and verified.", registry=r)
         self.sync_failures = Counter("dapo_rollout_sync_failures", "Weight broadcasts or groups that failed.",
                                      registry=r)  # fmt: skip
+        self.sync_rejected = Counter("dapo_rollout_sync_rejected", "Weight-sync manifests or rounds refused: a wrong "
+                                     "MAC, or a manifest that does not fit the model.", registry=r)  # fmt: skip
         self.sync_receive_seconds = Histogram("dapo_rollout_sync_receive_seconds", "Seconds to receive a version.",
                                               registry=r, buckets=buckets)  # fmt: skip
         self.eval_avg = Gauge("dapo_eval_avg_at_k", "Held-out mean accuracy over k samples.", registry=r)

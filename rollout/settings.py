@@ -35,6 +35,9 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     sync_broadcast: bool = Field(
         True, description="Join the learner's weight-broadcast group (gloo on CPU, NCCL on GPU) when it announces one."
     )
+    sync_secret: SecretStr | None = Field(
+        None, description="Key of the weight sync's MACs, shared with the learner (unset: the auth token)."
+    )
     sync_device: str = Field("auto", description="Where broadcast weights land: auto (cuda if present), cpu, cuda:0.")
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="TTL of this replica's heartbeat key.")
     claim_idle_ms: int = Field(120_000, ge=0, description="Reclaim prompts another replica left idle this long.")

@@ -35,13 +35,18 @@ from services.common.schemas import SyncGroup
 from services.common.streams import unpack
 from services.common.weights import (
     KEY_SYNC_GROUP,
+    BadRound,
     Buckets,
     Manifest,
     SyncAborted,
     broadcast,
+    check_mac,
+    check_manifest,
     checksum,
     make_group,
+    model_specs,
     store_client,
+    sync_key,
     total,
     wait_keys,
 )
@@ -67,6 +72,8 @@ class WeightReceiver:
         self.generation = 0  # the newest generation this replica has handled
         self.incarnation = uuid.uuid4().hex[:12]  # this process: the heartbeat says it, the learner invites it
         self.state = "idle"
+        self.key = sync_key(s)
+        self.expected: dict[str, tuple[int, ...]] | None = None  # this model's parameter shapes (read once)
 
     # ------------------------------------------------------------------ the worker's side
 
@@ -137,7 +144,7 @@ class WeightReceiver:
             return stop.is_set() or self._superseded(ann.generation, last)
 
         store: Any = dist.PrefixStore(f"g{ann.generation}/", store_client(ann.host, ann.port, timeout))
-        manifest = Manifest.from_bytes(store.get("manifest"))
+        manifest = self._checked_manifest(store, ann.generation)  # before anything is allocated
         with self.lock:
             if self.buckets is None or self.buckets.manifest != manifest:
                 self.buckets = Buckets(manifest, self.device)
@@ -164,6 +171,21 @@ class WeightReceiver:
         finally:
             pg.abort()
 
+    def _checked_manifest(self, store: Any, generation: int) -> Manifest:
+        """The generation's manifest, if its MAC is right and it fits this replica's own model; else BadRound
+        (the replica does not join: the learner drops it at the timeout)."""
+        raw = store.get("manifest")
+        try:
+            check_mac(self.key, store.get("manifest/mac"), "manifest", generation, raw)
+            manifest = Manifest.from_bytes(raw)
+            if self.expected is None:
+                self.expected = model_specs(self.s.model_dir)
+            check_manifest(manifest, self.expected)
+        except (BadRound, ValueError, KeyError, TypeError) as e:
+            self.m.sync_rejected.inc()
+            raise BadRound(f"refused generation {generation}'s manifest: {e}") from e
+        return manifest
+
     def _receive(
         self, store: Any, pg: Any, n: int, version: int, timeout: float, cancelled: Callable[[], bool]
     ) -> None:
@@ -178,7 +200,13 @@ class WeightReceiver:
                 for buf in self.buckets.buffers:
                     broadcast(pg, buf, timeout, interrupted=lambda: store.check([aborted]) or cancelled())
                 wait_keys(store, [f"round/{n}/sums"], timeout, cancelled=cancelled)
-                sums = [int(x) for x in msgpack.unpackb(store.get(f"round/{n}/sums"))]
+                packed = store.get(f"round/{n}/sums")
+                try:
+                    check_mac(self.key, store.get(f"round/{n}/mac"), "round", self.generation, n, version, packed)
+                except BadRound:
+                    self.m.sync_rejected.inc()
+                    raise
+                sums = [int(x) for x in msgpack.unpackb(packed)]
                 mine = [checksum(buf) for buf in self.buckets.buffers]
                 ack["checksum"] = total(mine)
                 bad = [b for b, (x, y) in enumerate(zip(mine, sums, strict=True)) if x != y]

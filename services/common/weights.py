@@ -19,6 +19,14 @@ TCPStore (the learner's), keys under g<generation>/:
          round/<n>/ack/<replica>     msgpack {ok, checksum, error}: the replica verified (or not) the round
          round/<n>/abort             the learner gave up on the round (a member died): stop waiting, ack
 
+Authentication: the manifest and each round's checksums carry an HMAC-SHA256 (`manifest/mac`,
+`round/<n>/mac`) keyed with the shared secret (DAPO_SYNC_SECRET, else the mesh's auth token), over the
+generation, the round, the version and the bytes; a replica checks the manifest's MAC and the manifest itself
+against its own model (names, shapes, float dtypes, total bytes) before it allocates anything, and a round's
+MAC before it loads the round. Without any secret the MAC is unkeyed (integrity only). The checksums are
+additive, not cryptographic: against someone who can rewrite the broadcast stream itself, keep the sync
+traffic on a private network (the NetworkPolicies) — the MAC stops a forged learner or store.
+
 Every wait on either side has a deadline. A replica that does not join, or does not acknowledge a round
 within the timeout, is dropped from the group; the next version rebuilds it without that replica.
 
@@ -29,10 +37,15 @@ on a GPU), so every round is verified on both sides; it catches truncated or cor
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -51,6 +64,66 @@ class SyncTimeout(TimeoutError):
 
 class SyncAborted(RuntimeError):
     """The generation ended (closed by the learner, superseded, or the learner went away)."""
+
+
+class BadRound(RuntimeError):
+    """What the learner sent is not to be loaded: a wrong MAC, or a manifest that does not fit this model."""
+
+
+FLOAT_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+def mac(key: bytes, *parts: bytes | int | str) -> bytes:
+    """HMAC-SHA256 over the parts, each length-prefixed (so that no two part lists give the same message)."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        raw = p if isinstance(p, bytes) else str(p).encode()
+        h.update(struct.pack(">Q", len(raw)) + raw)
+    return h.hexdigest().encode()
+
+
+def sync_key(settings: Any) -> bytes:
+    """The MAC key of a learner's or replica's settings: DAPO_SYNC_SECRET, else the auth token, else none."""
+    secret = getattr(settings, "sync_secret", None) or getattr(settings, "auth_token", None)
+    return secret.get_secret_value().encode() if secret is not None else b""
+
+
+def check_mac(key: bytes, got: bytes, *parts: bytes | int | str) -> None:
+    if not hmac.compare_digest(got, mac(key, *parts)):
+        raise BadRound("the MAC does not match: another secret, or not our learner")
+
+
+def model_specs(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of an HF safetensors folder, from the files' headers (nothing is loaded)."""
+    specs: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        specs |= {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    if not specs:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    return specs
+
+
+def check_manifest(manifest: Manifest, expected: dict[str, tuple[int, ...]]) -> None:
+    """The manifest describes this model's parameters: the same names and shapes, float dtypes, and so no more
+    bytes than the model in fp32 (padding aside). Raises BadRound naming the first difference."""
+    names = [n for n, _, _ in manifest.params]
+    if len(set(names)) != len(names):
+        raise BadRound("the manifest names a parameter twice")
+    if missing := sorted(set(expected) - set(names) - {"lm_head.weight"}):  # a tied head is not sent
+        raise BadRound(f"the manifest lacks parameters of this model: {missing[:5]}")
+    for name, dt, shape in manifest.params:
+        if name not in expected:
+            raise BadRound(f"the manifest names {name!r}, which this model does not have")
+        if tuple(shape) != expected[name]:
+            raise BadRound(f"{name}: shape {tuple(shape)} in the manifest, {expected[name]} in this model")
+        if dt not in FLOAT_DTYPES:
+            raise BadRound(f"{name}: dtype {dt} is not one of {sorted(FLOAT_DTYPES)}")
+    limit = sum(_numel(s) for s in expected.values()) * 4 + 8 * len(manifest.buckets)
+    if manifest.nbytes > limit:
+        raise BadRound(f"the manifest asks for {manifest.nbytes} bytes; this model needs at most {limit}")
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -186,6 +259,27 @@ def broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float, interrupted: Call
     work.wait()  # raises what the transport raised (a peer's connection closed, ...)
     if tensor.is_cuda:
         torch.cuda.current_stream().synchronize()
+
+
+def store_server(host: str, port: int, timeout_s: float) -> Any:
+    """The learner's store, listening on `host` only (TCPStore itself would listen on every interface). The
+    store owns the listening socket: it closes it when it goes."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    try:
+        store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=sock.fileno())  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()
+    return store
 
 
 def store_client(host: str, port: int, timeout_s: float, connect_s: float = 10.0) -> Any:

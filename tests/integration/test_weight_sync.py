@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import torch
@@ -65,10 +66,11 @@ def serving(client: redis.Redis, name: str, version: int, checksum_: int | None 
     return hb is not None and hb.weight_version == version and (checksum_ is None or hb.weight_checksum == checksum_)
 
 
-def learner(model_dir: Path, run_dir: Path, url: str, stage: int) -> tuple[Trainer, WeightSender, CollectorRegistry]:
+def learner(model_dir: Path, run_dir: Path, url: str, stage: int, **kw: object) -> tuple[Trainer, WeightSender,
+                                                                                      CollectorRegistry]:  # fmt: skip
     s = LearnerSettings(model_dir=model_dir, run_dir=run_dir, redis_url=url, zero_stage=stage, lr=5e-3,
                         warmup_steps=0, minibatches=1, micro_batch_size=4, sync_port=0, sync_timeout_s=TIMEOUT_S,
-                        sync_bucket_mb=0.5)  # fmt: skip  # several buckets for a ~3 MB model
+                        sync_bucket_mb=0.5, **kw)  # type: ignore[arg-type]  # fmt: skip  # several buckets, ~3 MB
     trainer = Trainer(s)
     registry = CollectorRegistry()
     return trainer, WeightSender(s, connect(url), trainer.engine.module, registry, zero3=stage == 3), registry
@@ -194,5 +196,36 @@ def test_elastic_membership_with_a_zero3_learner(tmp_path: Path, model_dir: Path
         sender.close()
         for p in procs.values():
             p.kill() if p.poll() is None and p is procs["b"] else p.terminate()
+        for p in procs.values():
+            p.wait(60)
+
+
+@pytest.mark.slow
+def test_a_replica_refuses_a_round_it_cannot_authenticate(tmp_path: Path, model_dir: Path, reward_url: str,
+                                                         server: EmbeddedRedis) -> None:  # fmt: skip
+    """The learner's store listens on its configured interface only, and signs the manifest and each round's
+    checksums with the shared secret: a replica with another secret refuses the generation (allocates nothing,
+    loads nothing) while one with the right secret takes the version."""
+    client = connect(server.url)
+    trainer, sender, _ = learner(model_dir, tmp_path / "run", server.url, stage=0, sync_secret="s3cret")
+    listening = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout.split()
+    assert f"127.0.0.1:{sender.port}" in listening and f"*:{sender.port}" not in listening
+    procs = {n: start_replica(model_dir, server.url, reward_url, n, "hf", "--sync-secret", secret)
+             for n, secret in (("good", "s3cret"), ("evil", "guessed"))}  # fmt: skip
+    try:
+        for n in procs:
+            wait_for(f"replica {n}", lambda n=n: (hb := heartbeat(client, n)) is not None and hb.state == "ready")
+        trainer.train(tiny_batch(1))
+        wv = sender.publish(1)
+        assert wv.replicas == ["good"] and wv.checksum == learner_checksum(sender)
+        wait_for("good serving v1", lambda: serving(client, "good", 1, wv.checksum), 30)
+        evil = heartbeat(client, "evil")
+        assert evil is not None and evil.weight_version == 0 and evil.weight_checksum is None
+        metrics = httpx.get(f"http://127.0.0.1:{evil.port}/metrics", timeout=5).text
+        assert "dapo_rollout_sync_rejected_total 1.0" in metrics
+    finally:
+        sender.close()
+        for p in procs.values():
+            p.terminate()
         for p in procs.values():
             p.wait(60)

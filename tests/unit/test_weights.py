@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgpack
 import pytest
 import torch
 
-from services.common.weights import Buckets, Manifest, SyncTimeout, checksum, total, wait_keys
+from services.common.weights import (
+    BadRound,
+    Buckets,
+    Manifest,
+    SyncTimeout,
+    check_mac,
+    check_manifest,
+    checksum,
+    mac,
+    model_specs,
+    total,
+    wait_keys,
+)
 
 SPECS = [
     ("embed", torch.float32, (10, 4)),  # 160 B
@@ -91,3 +105,38 @@ def test_wait_keys_times_out_and_cancels() -> None:
         wait_keys(store, ["b"], float("inf"), cancelled=lambda: True, slice_s=0.05)
     threading.Timer(0.2, lambda: store.set("c", "1")).start()
     wait_keys(store, ["a", "c"], 5.0)  # answered when "c" appears
+
+
+def test_macs_bind_key_and_every_part() -> None:
+    tag = mac(b"k", "round", 3, 0, 7, b"sums")
+    check_mac(b"k", tag, "round", 3, 0, 7, b"sums")
+    for wrong in [(b"other", ("round", 3, 0, 7, b"sums")), (b"k", ("round", 3, 0, 8, b"sums")),
+                  (b"k", ("round", 4, 0, 7, b"sums")), (b"k", ("round", 3, 0, 7, b"sumz")),
+                  (b"k", ("round", 30, 7, b"sums"))]:  # fmt: skip
+        with pytest.raises(BadRound, match="MAC does not match"):
+            check_mac(wrong[0], tag, *wrong[1])
+    assert mac(b"k", "ab", "c") != mac(b"k", "a", "bc")  # parts are length-prefixed
+
+
+def test_a_manifest_must_fit_the_model(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {"embed": torch.zeros(10, 4), "w1": torch.zeros(8, 8), "norm": torch.zeros(3)}, tmp_path / "m.safetensors"
+    )
+    expected = model_specs(tmp_path)
+    assert expected == {"embed": (10, 4), "w1": (8, 8), "norm": (3,)}
+    good = [("embed", torch.float32, (10, 4)), ("w1", torch.bfloat16, (8, 8)), ("norm", torch.float32, (3,))]
+    check_manifest(Manifest.plan(good, 300), expected)
+    cases = {
+        "lacks parameters": good[:2],
+        "which this model does not have": [*good, ("evil", torch.float32, (1,))],
+        r"shape \(8, 9\)": [good[0], ("w1", torch.float32, (8, 9)), good[2]],
+        "dtype int64": [good[0], ("w1", torch.int64, (8, 8)), good[2]],
+        "twice": [*good, good[0]],
+    }
+    for match, specs in cases.items():
+        with pytest.raises(BadRound, match=match):
+            check_manifest(Manifest.plan(specs, 300), expected)
+    with pytest.raises(FileNotFoundError):
+        model_specs(tmp_path / "none")
