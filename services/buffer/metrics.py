@@ -31,5 +31,14 @@ class BufferMetrics:
         self.keep_ratio = Gauge("dapo_buffer_keep_ratio", "Kept / received over the last 256 groups.", registry=r)
         self.carry = Gauge("dapo_buffer_carry_groups", "Kept groups waiting for the next batch.", registry=r)
         self.paused = Gauge("dapo_buffer_paused", "1 while dispatch is paused (degenerate pass rate).", registry=r)
-        self.stream_depth = Gauge("dapo_buffer_stream_depth", "Entries in a stream.", ["stream"], registry=r)
+        self.stream_depth = Gauge(
+            "dapo_buffer_stream_depth",
+            "Entries in a stream (XLEN: acknowledged history included).",
+            ["stream"],
+            registry=r,
+        )
+        self.backlog = Gauge(
+            "dapo_buffer_backlog", "Entries a group has not finished: not yet delivered (lag) + pending. What the "
+            "autoscaling and the backlog alert follow.", ["stream", "group"], registry=r,
+        )  # fmt: skip
         self.epoch = Gauge("dapo_buffer_epoch", "Dataset epoch of the dispatch cursor.", registry=r)

@@ -179,6 +179,25 @@ def test_dispatch_stays_within_the_staleness_budget(client: redis.Redis) -> None
     assert client.xlen(STREAM_PROMPTS) == 12 + 4  # only the 4 trained ones freed room
 
 
+def test_backlog_gauges_follow_the_streams_between_batches(client: redis.Redis) -> None:
+    """What the autoscaler and the backlog alert read: each group's lag + pending, updated every second, not only
+    when a batch is published (and not XLEN, which counts acknowledged history)."""
+    buffer = make_buffer(client, max_staleness=2)
+    buffer.step(block_ms=10)  # 12 prompts dispatched, nobody serves them yet
+
+    def backlog(stream: str, group: str) -> float:
+        return buffer.m.backlog.labels(stream, group)._value.get()
+
+    assert backlog(STREAM_PROMPTS, "rollout") == 12
+    Rollout(client, mixed, learns=False).serve(limit=3)  # 3 answered and acknowledged: fewer than a batch
+    time.sleep(1.1)
+    buffer.step(block_ms=10)  # the 3 groups are read into the carry
+    assert batches(client) == []
+    assert backlog(STREAM_PROMPTS, "rollout") == 9 and backlog(STREAM_ROLLOUTS, "buffer") == 3
+    assert buffer.m.stream_depth.labels(STREAM_PROMPTS)._value.get() == 12  # XLEN: history included
+    assert buffer.m.stream_depth.labels("dapo:dead-letter")._value.get() == 0
+
+
 def test_cursor_survives_a_restart(client: redis.Redis, tmp_path: Path) -> None:
     first = make_buffer(client)
     first.dispatch()

@@ -113,14 +113,58 @@ def test_compose_references_and_health() -> None:
     assert "--appendonly" in " ".join(services["redis"]["command"])
     rollout = services["rollout"]
     assert "container_name" not in rollout and "ports" not in rollout  # `--scale rollout=N` needs both absent
-    gpu = services["rollout-gpu"]
-    assert gpu["profiles"] == ["gpu"] and gpu["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    assert "--appendfsync always" in " ".join(services["redis"]["command"])  # what "loses nothing" was measured with
     for svc in ("reward-server", "buffer", "learner", "rollout"):
         env = services[svc]["environment"]
         assert env["DAPO_AUTH_TOKEN"].startswith("${DAPO_AUTH_TOKEN:?"), "the token must be required, not defaulted"
     for f in ("Dockerfile.cpu", "Dockerfile.cuda"):
         text = (DEPLOY / "docker" / f).read_text()
         assert '"torch==2.13.0"' in text and "USER 10001" in text
+
+
+def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`docker compose -f base -f override`: mappings merge, anything else is replaced."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def test_the_gpu_compose_is_the_same_mesh_on_gpus() -> None:
+    """The GPU setup used to be a profile that added learner-gpu beside the CPU learner: two learners consuming as
+    learner-0 and writing one volume. It is an override now: the same services, on the CUDA image."""
+    import compose_spec
+
+    gpu = merged(compose(), yaml.safe_load((DEPLOY / "compose" / "gpu.yml").read_text()))
+    compose_spec.PyCompose.from_json(json.dumps(gpu)).validate()
+    assert set(gpu["services"]) == set(compose()["services"])  # no second learner, no second rollout
+    for name in ("learner", "rollout"):
+        svc = gpu["services"][name]
+        assert svc["image"] == "dapo-mesh:cuda" and svc["build"]["dockerfile"] == "deploy/docker/Dockerfile.cuda"
+        assert svc["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+        assert svc["environment"] == compose()["services"][name]["environment"]
+    assert "--bf16" in gpu["services"]["learner"]["command"]
+
+
+UBUNTU_PYTHON = {"22.04": "3.10 3.11", "24.04": "3.12"}  # the python3.X packages each release ships
+
+
+def test_images_can_install_their_python_and_own_their_volumes() -> None:
+    c = compose()
+    mounts = {v.split(":")[1] for svc in c["services"].values() if str(svc.get("image", "")).startswith("dapo-mesh")
+              for v in svc.get("volumes", []) if v.split(":")[0] in c["volumes"]}  # fmt: skip
+    assert {"/models", "/data/learner", "/data/learner/hf", "/data/weights"} <= mounts
+    for f in ("Dockerfile.cpu", "Dockerfile.cuda"):
+        text = (DEPLOY / "docker" / f).read_text()
+        owned = re.search(r"mkdir -p ([^\\&]+).*chown -R 10001:10001 ([^\n]+)", text, re.S)
+        assert owned, f"{f} creates no volume mount points"
+        created = {str(d) for path in owned.group(1).split() for d in (Path(path), *Path(path).parents)}
+        assert mounts <= created, f"{f}: volumes mounted on {sorted(mounts - created)} would be root-owned"
+        assert all(any(m.startswith(top) for top in owned.group(2).split()) for m in mounts)
+    cuda = (DEPLOY / "docker" / "Dockerfile.cuda").read_text()
+    release = re.search(r"^FROM \S+ubuntu(\d+\.\d+)", cuda, re.M)
+    wanted = re.search(r"install .*python(3\.\d+)", cuda)
+    assert release and wanted and wanted.group(1) in UBUNTU_PYTHON[release.group(1)].split()
 
 
 # ---------------------------------------------------------------------------------------- kubernetes
@@ -162,6 +206,17 @@ CRD_SCHEMAS: dict[str, dict[str, Any]] = {
                     "authorization": {"type": "object", "required": ["credentials"]},
                     "relabelings": {"type": "array"}}}}}}},
     },
+    "monitoring.coreos.com/v1/PrometheusRule": {
+        "type": "object", "required": ["spec"],
+        "properties": {"spec": {"type": "object", "required": ["groups"], "additionalProperties": False,
+            "properties": {"groups": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+                "properties": {"name": {"type": "string"}, "interval": {"type": "string"}, "rules": {
+                    "type": "array", "items": {"type": "object", "required": ["expr"], "additionalProperties": False,
+                    "properties": {"alert": {"type": "string"}, "record": {"type": "string"},
+                                   "expr": {"type": "string"}, "for": {"type": "string"},
+                                   "labels": {"type": "object"}, "annotations": {"type": "object"}}}}}}}}}},
+    },
 }  # fmt: skip
 
 # the keys of the redis-streams trigger in KEDA 2.x (anything else is a typo KEDA would ignore)
@@ -184,7 +239,8 @@ def test_kustomize_overlay_is_valid(overlay: str) -> None:
 
     docs = build(overlay)
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "ScaledObject"} <= kinds
+    expected = {"Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "ScaledObject", "PrometheusRule"}
+    assert expected <= kinds
     for d in docs:
         key = f"{d['apiVersion']}/{d['kind']}"
         if key in CRD_SCHEMAS:
@@ -203,6 +259,12 @@ def test_kustomize_overlay_is_valid(overlay: str) -> None:
     trigger = by[("ScaledObject", "rollout")]["spec"]["triggers"][0]
     assert trigger["type"] == "redis-streams" and set(trigger["metadata"]) <= REDIS_STREAMS_KEYS
     assert trigger["metadata"]["stream"] == "dapo:prompts" and trigger["metadata"]["consumerGroup"] == "rollout"
+    # KEDA's operator runs in its own namespace: the address must name ours
+    namespace = by[("Service", "redis")]["metadata"]["namespace"]
+    assert trigger["metadata"]["address"] == f"redis-0.redis.{namespace}.svc.cluster.local:6379"
+    # the alerts for the Prometheus Operator are the shipped rules, exactly
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
+    assert by[("PrometheusRule", "dapo-mesh")]["spec"]["groups"] == rules["groups"]
     # the weight-sync port is exposed by the learner's Service and open to rollout pods only
     learner_svc = by[("Service", "learner")]
     assert {"name": "sync", "port": 29600, "targetPort": "sync"} in learner_svc["spec"]["ports"]
@@ -210,6 +272,78 @@ def test_kustomize_overlay_is_valid(overlay: str) -> None:
     assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "rollout"}
     config = by[("ConfigMap", "dapo-config")]["data"]
     assert config["DAPO_SYNC_PORT"] == "29600" and "DAPO_AUTH_TOKEN" not in config  # secrets are not config
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions with In) against a pod's labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    return all(
+        e["operator"] == "In" and labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+    )
+
+
+def allowed(policies: list[dict[str, Any]], src: dict[str, str], dst: dict[str, str], port: int) -> bool:
+    """Whether NetworkPolicies let a pod labelled `src` reach one labelled `dst` on `port` (same namespace): the
+    source's egress and the destination's ingress must both allow it, where a policy of that type selects it."""
+
+    def side(pod: dict[str, str], peer: dict[str, str], kind: str) -> bool:
+        mine = [
+            p["spec"] for p in policies if kind in p["spec"]["policyTypes"] and selects(p["spec"]["podSelector"], pod)
+        ]
+        if not mine:
+            return True  # no policy of this type selects the pod: not isolated
+        key, peers = ("egress", "to") if kind == "Egress" else ("ingress", "from")
+        for spec in mine:
+            for rule in spec.get(key, []):
+                ports = [x["port"] for x in rule.get("ports", [])]
+                if (not ports or port in ports) and any(
+                    "namespaceSelector" not in q and selects(q.get("podSelector", {}), peer)
+                    for q in rule.get(peers, [])
+                ):
+                    return True
+        return False
+
+    return side(src, dst, "Egress") and side(dst, src, "Ingress")
+
+
+@needs["kubectl"]
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_are_locked_down(overlay: str) -> None:
+    """Non-root, no privilege escalation, no capabilities, the runtime's seccomp profile, a read-only root with
+    the writable paths mounted; and a default-deny network where each pod reaches only what it uses."""
+    docs = build(overlay)
+    for d in docs:
+        if d["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = d["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, d["metadata"]["name"]
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, d["metadata"]["name"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, c["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"], c["name"]
+            if "dapo-mesh" in c["image"]:
+                mounted = {m["mountPath"] for m in c.get("volumeMounts", [])}
+                assert {"/tmp", "/home/dapo/.cache"} <= mounted, c["name"]
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert any(p["spec"]["podSelector"] == {} and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+               and not p["spec"].get("ingress") and not p["spec"].get("egress") for p in policies)  # fmt: skip
+
+    def pod(name: str) -> dict[str, str]:
+        return {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "dapo-mesh"}
+
+    for client in ("buffer", "learner", "rollout"):
+        assert allowed(policies, pod(client), pod("redis"), 6379), client
+    assert not allowed(policies, pod("reward-server"), pod("redis"), 6379)  # it never uses Redis
+    assert allowed(policies, pod("rollout"), pod("reward-server"), 8001)
+    assert not allowed(policies, pod("buffer"), pod("reward-server"), 8001)
+    assert allowed(policies, pod("rollout"), pod("learner"), 29600)  # the weight-sync rendezvous
+    assert allowed(policies, pod("learner"), pod("rollout"), 41234) and allowed(
+        policies, pod("rollout"), pod("rollout"), 41234
+    )
+    assert not allowed(policies, pod("reward-server"), pod("learner"), 29600)
+    assert not allowed(policies, pod("buffer"), pod("learner"), 8002)
 
 
 @needs["kubectl"]
