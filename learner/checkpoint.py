@@ -32,11 +32,18 @@ class LearnerState:
     version: int = 0  # policy version: batches trained into the weights
     step: int = 0  # optimizer steps
     trained: list[int] = field(default_factory=list)  # batch ids in the weights, in training order
+    digests: list[str] = field(default_factory=list)  # their content digests (TrainBatch.digest): the identity
 
-    def advance(self, batch_id: int, steps: int) -> None:
+    def advance(self, batch_id: int, steps: int, digest: str) -> None:
         self.trained.append(batch_id)
+        self.digests.append(digest)
         self.version += 1
         self.step += steps
+
+    def keys(self) -> list[str]:
+        """One identity per trained batch: its digest, or "#<id>" for batches trained before digests were kept."""
+        legacy = len(self.trained) - len(self.digests)
+        return [f"#{b}" for b in self.trained[:legacy]] + self.digests
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -43,7 +43,7 @@ class Learner:
             client, STREAM_BATCHES, GROUP_LEARNER, s.consumer_name, TrainBatch,
             claim_idle_ms=s.claim_idle_ms, max_deliveries=s.max_deliveries, registry=metrics.registry,
         )  # fmt: skip
-        self.done = set(state.trained)  # batch ids whose update the weights contain
+        self.done = set(state.keys())  # identities (content digests) of the batches whose update the weights contain
         self.unacked: list[str] = []  # trained, not yet in a checkpoint: acknowledged by the next commit()
         self.trained_now = 0  # batches this process trained
         self.ledger = ledger.open_ledger(s.run_dir)
@@ -57,7 +57,9 @@ class Learner:
         groups = stream_stats(self.client, STREAM_BATCHES).groups
         self.m.batches_pending.set(sum((g.lag or 0) + g.pending for g in groups if g.name == GROUP_LEARNER))
         for d in self.consumer.read(count=1, block_ms=1000):
-            if d.message.batch_id in self.done:  # redelivered, but its update is already in the weights
+            # by content, not by id: a redelivery or a retried XADD is the same batch; a batch id handed out again
+            # (a Redis that lost its last writes) is another batch, and is trained
+            if {d.message.digest(), f"#{d.message.batch_id}"} & self.done:  # its update is already in the weights
                 self.consumer.ack(d.entry_id)
                 self.m.batches_skipped.inc()
                 continue
@@ -70,8 +72,9 @@ class Learner:
         batch, s, state = d.message, self.s, self.state
         m: dict[str, Any] = self.trainer.train(batch)
         lag = max(0, state.version - batch.min_version)
-        state.advance(batch.batch_id, s.minibatches)
-        self.done.add(batch.batch_id)
+        digest = batch.digest()
+        state.advance(batch.batch_id, s.minibatches, digest)
+        self.done.add(digest)
         self.m.record(m, state.version, lag)
         snapshot = None
         if s.hf_export:  # for late joiners, and the filesystem transport: replicas reload hf/latest
@@ -84,6 +87,7 @@ class Learner:
             m |= {"sync_seconds": wv.sync_seconds, "sync_replicas": len(wv.replicas)}
         entry = LedgerEntry(
             batch_id=batch.batch_id,
+            digest=digest,
             version=state.version,
             pid=os.getpid(),
             lag=lag,

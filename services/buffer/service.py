@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 KEY_CURSOR = "dapo:buffer:cursor"
 KEY_BATCH_ID = "dapo:buffer:batch_id"  # INCR gives the next batch id (ids start at 0)
+KEY_PUBLISHED = "dapo:buffer:published"  # a set: every group id put in a batch, added with the batch itself
 DISPATCH_CHUNK = 64
 GAUGES_EVERY_S = 1.0  # stream depths and group backlogs for Prometheus (autoscaling, alerts)
 
@@ -197,7 +198,7 @@ class Buffer:
         if any(c.entry_id == d.entry_id for c in self.carry):  # the very entry we hold: never acknowledge it here
             log.warning("group %s delivered again while in the carry; kept once", g.group_id)
             return
-        if g.group_id in self.published or any(c.message.group_id == g.group_id for c in self.carry):
+        if self.is_duplicate(g):
             self._drop(d, "duplicate", version)
             return
         self.m.received.inc()
@@ -218,6 +219,14 @@ class Buffer:
         self.m.kept.inc()
         self.m.version_lag.observe(version_lag(g, version))
         self.carry.append(d)
+
+    def is_duplicate(self, g: ScoredGroup) -> bool:
+        """Already in a batch (known here, or recorded in Redis with the batch: a copy that arrives after a restart
+        of this buffer is caught too), or a copy of a group in the carry."""
+        if g.group_id in self.published or any(c.message.group_id == g.group_id for c in self.carry):
+            return True
+        with redis_errors(self.client):
+            return bool(self.client.sismember(KEY_PUBLISHED, g.group_id))
 
     def purge_stale(self, version: int) -> None:
         """The learner may have moved on while groups waited in the carry: check them again."""
@@ -258,7 +267,8 @@ class Buffer:
         with redis_errors(self.client):
             batch_id = int(self.client.incr(KEY_BATCH_ID)) - 1  # a crash before publishing leaves a gap only
         batch = TrainBatch.assemble(batch_id, [d.message for d in take])
-        self.consumer.ack_and_publish([d.entry_id for d in take], [(STREAM_BATCHES, batch)])
+        self.consumer.ack_and_publish([d.entry_id for d in take], [(STREAM_BATCHES, batch)],
+                                      record=(KEY_PUBLISHED, [d.message.group_id for d in take]))  # fmt: skip
         for d in take:
             self.published[d.message.group_id] = None
         while len(self.published) > 100_000:

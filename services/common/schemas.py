@@ -13,6 +13,7 @@ Data path (README, "Architecture"):
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Literal, Self
 
@@ -100,6 +101,16 @@ class ScoredGroup(Message):
     def group_id(self) -> str:
         return self.task.task_id
 
+    def digest(self) -> bytes:
+        """What makes this group itself: its task, its replica, when it was scored and every sampled token. A copy
+        (a retried XADD, a redelivery) has the same digest; a new sampling of the same prompt another."""
+        h = hashlib.blake2b(digest_size=16)
+        for part in (self.task.task_id, self.replica_id, repr(self.created_at)):
+            h.update(part.encode() + b"\0")
+        for s in self.samples:
+            h.update(s.response_token_ids.tobytes() + b"\0")
+        return h.digest()
+
     @property
     def min_version(self) -> int:
         return min(s.policy_version for s in self.samples)
@@ -139,6 +150,14 @@ class TrainBatch(Message):
     min_version: int = Field(ge=0, description="Oldest policy version of any sample in the batch.")
     max_version: int = Field(ge=0, description="Newest policy version of any sample in the batch.")
     created_at: float = Field(default_factory=time.time)
+
+    def digest(self) -> str:
+        """The batch's identity for the learner's exactly-once: its groups' digests, in order — not the batch id,
+        which a Redis that lost its last writes would hand out again."""
+        h = hashlib.blake2b(digest_size=16)
+        for g in self.groups:
+            h.update(g.digest())
+        return h.hexdigest()
 
     @classmethod
     def assemble(cls, batch_id: int, groups: list[ScoredGroup]) -> TrainBatch:
@@ -234,6 +253,7 @@ class LedgerEntry(Message):
     pid: int = Field(ge=0, description="The learner process that trained it (a restarted learner has another).")
     lag: int = Field(ge=0, description="Learner version at training minus the batch's oldest sample version.")
     task_ids: list[str] = Field(description="The groups (task ids) the batch held: what the audit accounts.")
+    digest: str = Field("", description="The batch's content digest (TrainBatch.digest): its identity.")
     metrics: dict[str, int | float] = Field(
         default_factory=dict, description="The step's numbers: loss, reward_mean, acc_mean, seconds, sync_seconds..."
     )

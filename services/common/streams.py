@@ -60,10 +60,13 @@ M = TypeVar("M", bound=Message)
 # Add entries to output streams, then acknowledge inputs, in one server-side step. Unlike MULTI/EXEC
 # (which runs every queued command even after one fails), a script stops at the first error, so the
 # inputs are acknowledged only if every output was added. Single-node Redis: keys need not share a slot.
-# KEYS: output streams..., input stream.  ARGV: group, n_outputs, per output (n_fields, k1, v1, ...), ids...
+# KEYS: output streams..., input stream[, a set].  ARGV: group, n_outputs, n_members, per output (n_fields, k1, v1,
+# ...), set members..., ids...  The set (optional) gets the members in the same step: a record that these inputs'
+# effect happened (the buffer's published groups), as durable as the outputs themselves.
 _FORWARD_LUA = """
 local n = tonumber(ARGV[2])
-local pos = 3
+local m = tonumber(ARGV[3])
+local pos = 4
 local added = {}
 for i = 1, n do
   local nf = tonumber(ARGV[pos])
@@ -71,6 +74,12 @@ for i = 1, n do
   for j = 1, 2 * nf do fields[j] = ARGV[pos + j] end
   added[i] = redis.call('XADD', KEYS[i], '*', unpack(fields))
   pos = pos + 1 + 2 * nf
+end
+if m > 0 then
+  local members = {}
+  for j = pos, pos + m - 1 do members[#members + 1] = ARGV[j] end
+  redis.call('SADD', KEYS[n + 2], unpack(members))
+  pos = pos + m
 end
 local ids = {}
 for j = pos, #ARGV do
@@ -440,13 +449,16 @@ class StreamConsumer(Generic[M]):
         for _, _, kind, _ in dead:
             self._metrics.dead.labels(self.stream, self.group, kind).inc()
 
-    def _forward(self, outputs: list[tuple[str, dict[bytes, bytes]]], ack_ids: list[str]) -> list[str]:
-        keys = [stream for stream, _ in outputs] + [self.stream]
-        args: list[bytes | str | int] = [self.group, len(outputs)]
+    def _forward(self, outputs: list[tuple[str, dict[bytes, bytes]]], ack_ids: list[str],
+                 record: tuple[str, list[str]] | None = None) -> list[str]:  # fmt: skip
+        keys = [stream for stream, _ in outputs] + [self.stream] + ([record[0]] if record else [])
+        members = record[1] if record else []
+        args: list[bytes | str | int] = [self.group, len(outputs), len(members)]
         for _, fields in outputs:
             args.append(len(fields))
             for k, v in fields.items():
                 args += [k, v]
+        args += members
         args += ack_ids
         added = [as_str(i) for i in self._forward_script(keys=keys, args=args)]
         self.held.difference_update(ack_ids)
@@ -464,15 +476,17 @@ class StreamConsumer(Generic[M]):
         self.held.difference_update(entry_ids)
         self._metrics.acked.labels(self.stream, self.group).inc(len(entry_ids))
 
-    def ack_and_publish(self, entry_ids: Iterable[str], outputs: Iterable[tuple[str, Message]]) -> list[str]:
-        """Publish `outputs` (stream, message), then acknowledge `entry_ids`, in one server-side step.
+    def ack_and_publish(self, entry_ids: Iterable[str], outputs: Iterable[tuple[str, Message]], *,
+                        record: tuple[str, list[str]] | None = None) -> list[str]:  # fmt: skip
+        """Publish `outputs` (stream, message), then acknowledge `entry_ids`, in one server-side step; with
+        `record` = (set key, members), add the members to that set in the same step.
 
         The inputs are acknowledged only if every output was added; a crash or a failed output
         leaves them pending, to be processed again. Returns the ids of the published entries.
         """
         ids, outs = list(entry_ids), list(outputs)
         with redis_errors(self.client):
-            added = self._forward([(stream, encode(msg)) for stream, msg in outs], ids)
+            added = self._forward([(stream, encode(msg)) for stream, msg in outs], ids, record)
         for stream, _ in outs:
             self._metrics.published.labels(stream).inc()
         self._metrics.acked.labels(self.stream, self.group).inc(len(ids))

@@ -129,24 +129,27 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     dropped = {t: min(rs - {"duplicate"}) for t, rs in reasons.items() if rs - {"duplicate"}}
     r.dropped_by_reason = dict(Counter(min(rs) if rs == {"duplicate"} else dropped[t] for t, rs in reasons.items()))
 
+    # batches are told apart by content (TrainBatch.digest), not by id: a Redis that lost its last writes hands
+    # an id out again, for another batch
     state = read_state(paths.learner)
-    trained_ids = state.trained if state is not None else []
-    r.batches_trained = len(trained_ids)
-    r.batches_trained_twice = sorted(b for b, n in Counter(trained_ids).items() if n > 1)
-    in_weights = set(trained_ids)
+    keys = state.keys() if state is not None else []
+    id_of = dict(zip(keys, state.trained if state is not None else [], strict=True))
+    r.batches_trained = len(keys)
+    r.batches_trained_twice = sorted(id_of[k] for k, n in Counter(keys).items() if n > 1)
+    in_weights = set(keys)
 
-    batch_groups: dict[int, set[str]] = {}
+    batch_groups: dict[str, set[str]] = {}
     for _, f in _entries(client, STREAM_BATCHES):
         b = decode(f, TrainBatch)
-        batch_groups.setdefault(b.batch_id, {g.group_id for g in b.groups})
+        batch_groups.setdefault(b.digest(), {g.group_id for g in b.groups})
     ledger = read_ledger(paths.learner)
     for e in ledger:
-        batch_groups.setdefault(e.batch_id, set(e.task_ids))
-    r.trainings_lost_in_crashes = max(0, len(ledger) - len({e.batch_id for e in ledger}))
-    owners: dict[str, set[int]] = defaultdict(set)
-    for bid, tids in batch_groups.items():
+        batch_groups.setdefault(e.digest or f"#{e.batch_id}", set(e.task_ids))
+    r.trainings_lost_in_crashes = max(0, len(ledger) - len({e.digest or f"#{e.batch_id}" for e in ledger}))
+    owners: dict[str, set[str]] = defaultdict(set)
+    for key, tids in batch_groups.items():
         for t in tids:
-            owners[t].add(bid)
+            owners[t].add(key)
     r.groups_in_two_batches = sorted(t for t, bids in owners.items() if len(bids) > 1)
     trained = {t for t, bids in owners.items() if bids & in_weights}
     in_batch = set(owners) - trained

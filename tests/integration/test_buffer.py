@@ -21,6 +21,7 @@ from services.common.datasets import load_source
 from services.common.launch import ROOT
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
+from services.common.selfcheck import example_group
 from services.common.streams import (
     KEY_POLICY_VERSION,
     STREAM_BATCHES,
@@ -196,6 +197,26 @@ def test_backlog_gauges_follow_the_streams_between_batches(client: redis.Redis) 
     assert backlog(STREAM_PROMPTS, "rollout") == 9 and backlog(STREAM_ROLLOUTS, "buffer") == 3
     assert buffer.m.stream_depth.labels(STREAM_PROMPTS)._value.get() == 12  # XLEN: history included
     assert buffer.m.stream_depth.labels("dapo:dead-letter")._value.get() == 0
+
+
+def test_a_copy_of_a_batched_group_after_a_restart_is_dropped(client: redis.Redis) -> None:
+    """A retried XADD puts a group on the stream twice. The buffer knew the groups it had batched only in memory:
+    after a restart the copy went into a second batch (and was trained twice). Batched groups are recorded in
+    Redis with the batch now."""
+    groups = [example_group(i, n_samples=4) for i in range(7)]
+    out = StreamProducer(client, STREAM_ROLLOUTS)
+    out.publish_many(groups[:4])
+    first = make_buffer(client)
+    first.step(block_ms=20)
+    out.publish_many([groups[0], *groups[4:]])  # a copy of a batched group, and three new ones
+    second = make_buffer(client)  # a restarted buffer: nothing in memory
+    for _ in range(2):
+        second.step(block_ms=20)
+    got = batches(client)
+    ids = [g.group_id for b in got for g in b.groups]
+    assert len(got) == 1 and sorted(ids) == sorted(g.group_id for g in groups[:4])
+    assert sorted(d.message.group_id for d in second.carry) == sorted(g.group_id for g in groups[4:])
+    assert filtered(second, "duplicate") == 1
 
 
 def test_cursor_survives_a_restart(client: redis.Redis, tmp_path: Path) -> None:

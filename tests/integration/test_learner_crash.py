@@ -84,3 +84,32 @@ def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tmp_path: 
 
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "v000006")  # loadable by transformers
     assert exported.config.vocab_size == 256
+
+
+@pytest.mark.slow
+def test_a_batch_id_handed_out_again_is_trained_and_a_copy_is_not(tmp_path: Path) -> None:
+    """A Redis restored from an older append-only file hands batch ids out again: the learner, deduplicating by
+    id, skipped the new batches silently. It tells batches apart by content now: a new batch under an old id is
+    trained, a copy of a trained batch (a redelivery, a retried XADD) is not."""
+    model = tiny_llama(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        client = connect(server.url)
+        producer = StreamProducer(client, STREAM_BATCHES)
+        first = tiny_batch(0)
+        producer.publish(first)
+        again = tiny_batch(0)  # the same id, other groups: what a rolled-back counter produces
+        assert again.batch_id == first.batch_id and again.digest() != first.digest()
+        producer.publish(again)
+        producer.publish(first)  # an exact copy of the first
+        third = tiny_batch(1)
+        producer.publish(third)
+        proc = start_learner(model, run_dir, server.url, free_port(), "--max-batches", "3")
+        assert proc.wait(300) == 0
+        entries = ledger(run_dir)
+        expected = [(0, first.digest()), (0, again.digest()), (1, third.digest())]
+        assert [(e.batch_id, e.digest) for e in entries] == expected
+        final = state(run_dir)
+        assert final["trained"] == [0, 0, 1] and final["version"] == 3
+        assert final["digests"] == [e.digest for e in entries]
+        assert client.xpending(STREAM_BATCHES, "learner")["pending"] == 0  # the copy was acknowledged, not trained

@@ -163,3 +163,16 @@ def test_decode_size_cap() -> None:
     with pytest.raises(DecodeError, match="limit is 1000") as e:
         decode(fields, ScoredGroup, max_bytes=1000)
     assert e.value.kind == "too_large"
+
+
+def test_digests_see_content_not_ids() -> None:
+    """A copy (through the codec, as a redelivery is) has the same digest; the same task sampled again, or a batch
+    with the same id and other groups, another one."""
+    g = example_group(1, n_tokens=8)
+    assert decode(encode(g), ScoredGroup).digest() == g.digest()
+    resampled = g.model_copy(update={"created_at": g.created_at + 1})
+    assert resampled.group_id == g.group_id and resampled.digest() != g.digest()
+    b = TrainBatch.assemble(7, [g, example_group(2)])
+    assert decode(encode(b), TrainBatch).digest() == b.digest()
+    assert TrainBatch.assemble(7, [g, example_group(3)]).digest() != b.digest()
+    assert TrainBatch.assemble(8, b.groups).digest() == b.digest()  # the id is not part of it
