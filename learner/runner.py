@@ -42,6 +42,7 @@ def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
                 sender = WeightSender(s, proc.client, trainer.engine.module, proc.registry, zero3=zero3)
                 sender.publish(state.version, step=state.step)  # replicas serve exactly the weights we resume from
             learner = Learner(s, proc.client, trainer, state, metrics, sender)
+            learner.raise_batch_ids()
             proc.ready_when(lambda: (True, "model loaded"))
             while not stop.is_set() and not learner.finished:
                 learner.step()

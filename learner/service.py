@@ -30,7 +30,15 @@ from learner.weight_sync import WeightSender
 from services.common import ledger
 from services.common.schemas import LedgerEntry, TrainBatch
 from services.common.stream_admin import safe_trim, stream_stats
-from services.common.streams import GROUP_LEARNER, KEY_POLICY_VERSION, STREAM_BATCHES, Delivery, StreamConsumer
+from services.common.streams import (
+    GROUP_LEARNER,
+    KEY_BATCH_ID,
+    KEY_POLICY_VERSION,
+    STREAM_BATCHES,
+    Delivery,
+    StreamConsumer,
+    raise_counter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +115,15 @@ class Learner:
         self.m.checkpoint_seconds.observe(time.perf_counter() - t0)
         self.consumer.ack(*self.unacked)
         self.unacked.clear()
+        self.raise_batch_ids()
         safe_trim(self.client, STREAM_BATCHES, keep_last=self.s.keep_batches)  # a batch is ~B x G x 4 KB
+
+    def raise_batch_ids(self) -> None:
+        """Keep the buffer's batch-id counter past every id the checkpoint holds: a Redis restored from an older
+        file would hand them out again (harmless — batches are known by content — but confusing to read)."""
+        if self.state.trained and raise_counter(self.client, KEY_BATCH_ID, max(self.state.trained) + 1):
+            log.warning("the batch-id counter was behind the checkpoint (Redis lost writes?): raised to %d",
+                        max(self.state.trained) + 1)  # fmt: skip
 
     def close(self) -> None:
         """After the last step: commit what is trained but not in a checkpoint."""

@@ -35,6 +35,7 @@ from services.common.streams import (
     GROUP_BUFFER,
     GROUP_LEARNER,
     GROUP_ROLLOUT,
+    KEY_BATCH_ID,
     KEY_POLICY_VERSION,
     STREAM_BATCHES,
     STREAM_DROPPED,
@@ -50,7 +51,6 @@ from services.common.streams import (
 log = logging.getLogger(__name__)
 
 KEY_CURSOR = "dapo:buffer:cursor"
-KEY_BATCH_ID = "dapo:buffer:batch_id"  # INCR gives the next batch id (ids start at 0)
 KEY_PUBLISHED = "dapo:buffer:published"  # a set: every group id put in a batch, added with the batch itself
 DISPATCH_CHUNK = 64
 GAUGES_EVERY_S = 1.0  # stream depths and group backlogs for Prometheus (autoscaling, alerts)

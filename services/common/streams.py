@@ -45,6 +45,8 @@ STREAM_EVAL = "dapo:eval"  # EvalResult records: held-out avg@k / pass@k per eva
 STREAM_DROPPED = "dapo:dropped"  # DroppedGroup records: what the buffer decided not to train, and why
 DEAD_LETTER_STREAM = "dapo:dead-letter"
 KEY_POLICY_VERSION = "dapo:policy_version"  # the learner's current version, an integer
+KEY_BATCH_ID = "dapo:buffer:batch_id"  # the buffer's INCR counter of batch ids (ids start at 0); the learner
+# raises it past every id its checkpoint holds (raise_counter), so ids stay unique after Redis loses writes
 GROUP_ROLLOUT = "rollout"  # rollout servers, on the prompts stream
 GROUP_BUFFER = "buffer"  # the buffer, on the rollouts stream
 GROUP_LEARNER = "learner"  # the learner, on the batches stream
@@ -89,6 +91,19 @@ end
 if #ids > 0 then redis.call('XACK', KEYS[n + 1], ARGV[1], unpack(ids)) end
 return added
 """
+
+
+_RAISE_LUA = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if cur < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]); return 1 end
+return 0
+"""
+
+
+def raise_counter(client: redis.Redis, key: str, floor: int) -> bool:
+    """Set an INCR counter to `floor` if it is lower (atomically); True if it was lower."""
+    with redis_errors(client):
+        return bool(client.eval(_RAISE_LUA, 1, key, floor))
 
 
 class TransportError(RuntimeError):

@@ -17,7 +17,7 @@ from services.common.launch import ROOT, child_env
 from services.common.ledger import read_ledger
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.common.schemas import LedgerEntry
-from services.common.streams import KEY_POLICY_VERSION, STREAM_BATCHES, StreamProducer, connect
+from services.common.streams import KEY_BATCH_ID, KEY_POLICY_VERSION, STREAM_BATCHES, StreamProducer, connect
 
 
 def start_learner(model: Path, run_dir: Path, url: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
@@ -104,8 +104,10 @@ def test_a_batch_id_handed_out_again_is_trained_and_a_copy_is_not(tmp_path: Path
         producer.publish(first)  # an exact copy of the first
         third = tiny_batch(1)
         producer.publish(third)
+        client.set(KEY_BATCH_ID, 0)  # the buffer's counter, as a Redis that lost its writes has it
         proc = start_learner(model, run_dir, server.url, free_port(), "--max-batches", "3")
         assert proc.wait(300) == 0
+        assert int(client.get(KEY_BATCH_ID)) == 2  # raised past every id the checkpoint holds
         entries = ledger(run_dir)
         expected = [(0, first.digest()), (0, again.digest()), (1, third.digest())]
         assert [(e.batch_id, e.digest) for e in entries] == expected
