@@ -28,6 +28,11 @@ class LearnerMetrics:
             "dapo_learner_batch_version_lag", "Learner version minus the oldest sample version of a batch.",
             registry=registry, buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
         )  # fmt: skip
+        self.behav_kl = gauge("behav_kl", "k3 estimate of KL(behaviour || proximal) over the last batch's tokens.")
+        self.logp_gap = gauge("logp_gap", "|log p_proximal - log p_behaviour| per token, last batch.", ("stat",))
+        self.logp_gap_by_lag = gauge("logp_gap_by_lag", "Mean |log p gap| per token, by the samples' version lag.",
+                                     ("lag",))  # fmt: skip
+        self.is_bound = gauge("offpolicy_bound_fraction", "Tokens the off-policy correction truncated or masked.")
         self.batches_pending = gauge("batches_pending", "Batches waiting in the stream for the learner.")
         self.batches_trained = Counter("dapo_learner_batches_trained", "Batches trained.", registry=registry)
         self.batches_skipped = Counter(
@@ -50,4 +55,11 @@ class LearnerMetrics:
         self.lr.set(m["lr"])
         self.policy_version.set(version)
         self.version_lag.observe(lag)
+        self.behav_kl.set(m.get("behav_kl", 0.0))
+        self.logp_gap.labels("mean").set(m.get("logp_gap_mean", 0.0))
+        self.logp_gap.labels("p99").set(m.get("logp_gap_p99", 0.0))
+        self.is_bound.set(m.get("is_bound_frac", 0.0))
+        for key, v in m.items():
+            if key.startswith("logp_gap_mean_lag"):
+                self.logp_gap_by_lag.labels(key.removeprefix("logp_gap_mean_lag")).set(v)
         self.batches_trained.inc()

@@ -78,7 +78,7 @@ class Learner:
     def train(self, d: Delivery[TrainBatch]) -> None:
         """Train -> snapshot -> publish the version and the weights -> ledger; acknowledged at the next commit."""
         batch, s, state = d.message, self.s, self.state
-        m: dict[str, Any] = self.trainer.train(batch)
+        m: dict[str, Any] = self.trainer.train(batch, version=state.version)
         lag = max(0, state.version - batch.min_version)
         digest = batch.digest()
         state.advance(batch.batch_id, s.minibatches, digest)

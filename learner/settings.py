@@ -30,7 +30,12 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     )
     normalize_std: bool = Field(True, description="Divide advantages by the group std (False: Dr.GRPO).")
     overlong_filter: bool = Field(False, description="Mask truncated samples out of the loss.")
-    tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling cap C (unset: off).")
+    off_policy: Literal["off", "token-tis", "token-mask", "seq-tis"] = Field(
+        "off",
+        description="Correction of stale samples, weight pi_prox/pi_behav (learner/offpolicy.py): off, "
+        "token-tis (truncated at C), token-mask (0 outside [1/C, C]), seq-tis (geometric mean per sample, at C).",
+    )
+    off_policy_cap: float = Field(2.0, gt=1, description="C of the off-policy correction.")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint (and acknowledge) every n batches.")
     keep_checkpoints: int = Field(2, ge=1, description="DeepSpeed checkpoints kept on disk.")
     hf_export: bool = Field(

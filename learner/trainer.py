@@ -21,6 +21,7 @@ import torch
 from learner.advantages import group_advantages
 from learner.batching import BatchTensors, microbatches, minibatches, to_tensors
 from learner.loss import policy_loss, token_logprobs, token_logprobs_and_entropy
+from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights
 from learner.settings import LearnerSettings
 from services.common.redis_server import free_port
 from services.common.schemas import TrainBatch
@@ -75,6 +76,7 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.device = self.engine.device
         self._entropy = 0.0
+        self._gap: dict[str, float] = {}
 
     def _tokenizer(self) -> Any:
         if (
@@ -109,20 +111,30 @@ class Trainer:
                 ent_n += float(m.sum())
         return out, ent_sum / max(ent_n, 1.0)
 
-    def prepare(self, batch: TrainBatch) -> BatchTensors:
+    def prepare(self, batch: TrainBatch, version: int | None = None) -> BatchTensors:
+        """Tensors, advantages, the proximal log-probs, the off-policy weights; the behaviour/proximal gap in
+        `self._gap` (per batch, and per version lag when the learner's `version` is given)."""
         s = self.s
         t = to_tensors(batch, self.pad_id, self._tokenize if self.tokenizer is not None else None)
         t.advantages = group_advantages(t.rewards, t.group_index, normalize_std=s.normalize_std)
         keep = (~t.truncated).float().unsqueeze(-1) if s.overlong_filter else 1.0
         t.loss_mask = t.response_mask * keep
         t.old_logp, self._entropy = self.logprobs(t, t.loss_mask)
-        if s.tis_cap is not None:  # rollout engine and learner disagree a little: reweight, capped
-            t.is_weights = torch.exp(t.old_logp - t.behaviour_logp).clamp(max=s.tis_cap) * t.response_mask
+        self._gap = gap_metrics(t.old_logp, t.behaviour_logp, t.loss_mask)
+        if version is not None:
+            self._gap |= gap_by_lag(t.old_logp, t.behaviour_logp, t.loss_mask, version - t.versions)
+        if s.off_policy != "off":  # weigh each token by pi_prox / pi_behav (the decoupled objective)
+            t.is_weights, bound = importance_weights(t.old_logp, t.behaviour_logp, t.loss_mask, mode=s.off_policy,
+                                                     cap=s.off_policy_cap)  # fmt: skip
+            self._gap["is_bound_frac"] = float(bound.sum()) / max(float((t.loss_mask > 0).sum()), 1.0)
+            if s.off_policy == "token-mask":  # masked tokens leave the loss, its token count included
+                t.loss_mask = t.loss_mask * (~bound)
         return t
 
-    def train(self, batch: TrainBatch) -> dict[str, float]:
+    def train(self, batch: TrainBatch, version: int | None = None) -> dict[str, float]:
+        """One batch; `version`: the learner's policy version now (for the gap per version lag)."""
         t0 = time.perf_counter()
-        t = self.prepare(batch)
+        t = self.prepare(batch, version)
         sums: dict[str, float] = {}
         weight = 0.0
         grad_norms = []
@@ -148,7 +160,7 @@ class Trainer:
             "reward_mean": float(t.rewards.mean()),
             "acc_mean": sum(sc.acc for g in batch.groups for sc in g.scores) / max(1, len(t)),
             "entropy": self._entropy,
-        }
+        } | self._gap
         return out
 
     def _step(self) -> float:

@@ -108,11 +108,12 @@ class LiveView:
     def render(self) -> Group:
         m = self.last
         n = mesh_numbers(self.states) if self.states else {}
-        train = Table("reward", "accuracy", "entropy", "clip ↑", "clip ↓", "filtered", "version lag", "gen tok/s",
-                      "train tok/s", "sync s", title="last step", title_justify="left")  # fmt: skip
+        train = Table("reward", "accuracy", "entropy", "clip ↑", "clip ↓", "behav KL", "filtered", "version lag",
+                      "gen tok/s", "train tok/s", "sync s", title="last step", title_justify="left")  # fmt: skip
         train.add_row(
             _fmt(m.get("reward_mean"), "+.3f"), _fmt(m.get("acc_mean")), _fmt(m.get("entropy")),
             _fmt(m.get("clip_frac_upper"), ".4f"), _fmt(m.get("clip_frac_lower"), ".4f"),
+            _fmt(m.get("behav_kl"), ".4f"),
             _fmt(n.get("filtered_frac"), ".0%"), _fmt(n.get("version_lag_mean"), ".2f"),
             _fmt(n.get("rollout_tokens_per_s"), ".0f"), _fmt(m.get("tokens_per_s"), ".0f"),
             _fmt(m.get("sync_seconds"), ".2f"),

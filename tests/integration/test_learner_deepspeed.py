@@ -10,6 +10,7 @@ import torch
 from learner.settings import LearnerSettings
 from learner.tiny import group, tiny_llama
 from learner.trainer import Trainer
+from services.common.arrays import LogProbs
 from services.common.schemas import TrainBatch
 
 
@@ -33,3 +34,37 @@ def test_positive_advantage_tokens_gain_probability(tmp_path: Path, stage: int) 
                 "lr", "tokens_per_s"):  # fmt: skip
         assert key in m and m[key] == m[key], key  # present and not NaN
     assert m["grad_norm"] > 0 and m["entropy"] > 0
+
+
+def with_behaviour(batch: TrainBatch, logp: float) -> TrainBatch:
+    """The same batch, as if sampled by a policy that gave every token log-prob `logp`."""
+    groups = [g.model_copy(update={"samples": [s.model_copy(update={"logprobs": LogProbs([logp] * len(s.logprobs))})
+                                               for s in g.samples]}) for g in batch.groups]  # fmt: skip
+    return TrainBatch.assemble(batch.batch_id, groups)
+
+
+@pytest.mark.slow
+def test_the_off_policy_correction_weighs_the_update(tmp_path: Path) -> None:
+    """Samples whose behaviour policy is far from the learner's (log-prob -0.1 per token where the tiny model
+    gives about -5.5): uncorrected they move the weights; with token-mask every token leaves the band [1/C, C]
+    and nothing moves; token-tis scales the update by the tiny weights. The gap is measured either way."""
+    model_dir = tiny_llama(tmp_path / "model")
+    batch = with_behaviour(TrainBatch.assemble(0, [group(1, [1.0, -1.0, 1.0, -1.0]), group(2, [-1.0, 1.0, 1.0, 0.0])]),
+                           -0.1)  # fmt: skip
+    grad, moved = {}, {}
+    for mode in ("off", "token-mask", "token-tis"):
+        s = LearnerSettings(model_dir=model_dir, run_dir=tmp_path / mode, lr=1e-2, warmup_steps=0, minibatches=1,
+                            micro_batch_size=4, weight_decay=0.0, off_policy=mode,
+                            off_policy_cap=2.0)  # type: ignore[arg-type]  # fmt: skip
+        trainer = Trainer(s)
+        before = [p.detach().clone() for p in trainer.engine.module.parameters()]
+        m = trainer.train(batch, version=3)
+        after = list(trainer.engine.module.parameters())
+        moved[mode] = sum(float((a - b).abs().sum()) for a, b in zip(after, before, strict=True))
+        grad[mode] = m["grad_norm"]
+        assert m["logp_gap_mean"] == pytest.approx(5.4, abs=0.3) and m["behav_kl"] > 1  # far off-policy
+        assert "logp_gap_mean_lag3" in m  # the samples are version 0, the learner at 3
+        if mode != "off":
+            assert m["is_bound_frac"] == (1.0 if mode == "token-mask" else 0.0)
+    assert moved["off"] > 0 and moved["token-mask"] == 0.0 and grad["token-mask"] == 0.0  # nothing left to learn
+    assert 0 < grad["token-tis"] < grad["off"] / 50  # weights of about e^-5.4 (Adam's step hides the scale)

@@ -37,7 +37,8 @@ def test_mesh_numbers() -> None:
 
 def test_metrics_row_and_view(tmp_path: Path) -> None:
     entry = LedgerEntry(batch_id=4, version=5, pid=1, lag=0, task_ids=["t1"], metrics={
-        "reward_mean": 0.25, "acc_mean": 0.5, "entropy": 1.2, "clip_frac_upper": 0.01, "seconds": 3.0})  # fmt: skip
+        "reward_mean": 0.25, "acc_mean": 0.5, "entropy": 1.2, "clip_frac_upper": 0.01, "seconds": 3.0,
+        "behav_kl": 0.0123})  # fmt: skip
     row = metrics_row(entry, states())
     assert row["step"] == 5 and row["policy_version"] == 5 and "version" not in row and "pid" not in row
     assert "task_ids" not in row and row["batch_id"] == 4 and row["reward_mean"] == 0.25
@@ -49,6 +50,7 @@ def test_metrics_row_and_view(tmp_path: Path) -> None:
     console.print(view.render())
     text = console.export_text()
     assert "5/10" in text and "+0.250" in text and "75%" in text and "exited" in text and "rollout-1" in text
+    assert "behav KL" in text and "0.0123" in text
 
 
 def test_curves_png(tmp_path: Path) -> None:
