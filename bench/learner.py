@@ -62,7 +62,7 @@ def run(model_dir: Path | None = None, repeats: int = 3) -> list[Result]:
         from learner.tiny import tiny_llama
 
         model_dir = tiny_llama(Path(tempfile.mkdtemp(prefix="dapo-bench-")) / "m", layers=4, hidden=256, vocab=49152)
-    s = LearnerSettings(model_dir=model_dir, minibatches=MINIBATCHES, micro_batch_size=MICRO, warmup_steps=0)
+    s = LearnerSettings(model_dir=model_dir, minibatches=MINIBATCHES, micro_batch_size=MICRO, warmup_batches=0)
     trainer = Trainer(s)
     raw_model = copy.deepcopy(trainer.engine.module)
     raw_opt = torch.optim.AdamW(raw_model.parameters(), lr=s.lr, weight_decay=s.weight_decay)

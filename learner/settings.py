@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from services.common.settings import RedisSettings, ServiceSettings
 
@@ -17,7 +17,14 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     bf16: bool = Field(False, description="Train in bf16 (fp32 master weights).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate (DAPO: 1e-6).")
-    warmup_steps: int = Field(20, ge=0, description="Linear LR warm-up, in optimizer steps (DAPO: 20).")
+    warmup_batches: int = Field(
+        20, ge=0, description="Linear LR warm-up, in trained batches = rollout steps (DAPO: 20); 0: none."
+    )
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After the warm-up (DAPO: constant).")
+    lr_decay_batches: int | None = Field(
+        None, ge=1, description="Cosine: batches to decay over after the warm-up (unset: --max-batches)."
+    )
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="Cosine: the final LR as a fraction of --lr.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (DAPO: 0.1).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip (DAPO: 1.0).")
     minibatches: int = Field(16, ge=1, description="Optimizer steps per TrainBatch (DAPO: 16).")
@@ -67,3 +74,9 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     )
     seed: int = Field(0, description="Seed of the mini-batch shuffling.")
     dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port for a single process (0: free).")
+
+    @model_validator(mode="after")
+    def _cosine_has_a_length(self) -> Self:
+        if self.lr_schedule == "cosine" and self.lr_decay_batches is None and self.max_batches is None:
+            raise ValueError("lr_schedule cosine: set lr_decay_batches (or max_batches) to say how long it decays")
+        return self

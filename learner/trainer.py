@@ -22,6 +22,7 @@ from learner.advantages import group_advantages
 from learner.batching import BatchTensors, microbatches, minibatches, to_tensors
 from learner.loss import policy_loss, token_logprobs, token_logprobs_and_entropy
 from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights
+from learner.schedule import lr_factor
 from learner.settings import LearnerSettings
 from services.common.redis_server import free_port
 from services.common.schemas import TrainBatch
@@ -40,10 +41,6 @@ def init_distributed(port: int = 0) -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
-def warmup_lambda(warmup_steps: int) -> Any:
-    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
-
-
 class Trainer:
     def __init__(self, settings: LearnerSettings, model: torch.nn.Module | None = None):
         import deepspeed
@@ -59,7 +56,6 @@ class Trainer:
         self.tokenizer = self._tokenizer()
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(settings.warmup_steps))
         ds_config = {
             "train_micro_batch_size_per_gpu": settings.micro_batch_size,
             "gradient_accumulation_steps": 1,
@@ -70,9 +66,9 @@ class Trainer:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
-        )
+        # no scheduler for DeepSpeed to step at each optimizer step: the LR is set per batch (learner/schedule.py)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.batches_done = 0  # the learner passes its version (batches in the weights) instead, restarts included
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.device = self.engine.device
         self._entropy = 0.0
@@ -134,6 +130,7 @@ class Trainer:
     def train(self, batch: TrainBatch, version: int | None = None) -> dict[str, float]:
         """One batch; `version`: the learner's policy version now (for the gap per version lag)."""
         t0 = time.perf_counter()
+        lr = self.set_lr(self.batches_done if version is None else version)
         t = self.prepare(batch, version)
         sums: dict[str, float] = {}
         weight = 0.0
@@ -156,12 +153,22 @@ class Trainer:
             "tokens_per_s": t.response_tokens / seconds,
             "response_tokens": float(t.response_tokens),
             "grad_norm": max(grad_norms) if grad_norms else 0.0,
-            "lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.s.lr,
+            "lr": lr,
             "reward_mean": float(t.rewards.mean()),
             "acc_mean": sum(sc.acc for g in batch.groups for sc in g.scores) / max(1, len(t)),
             "entropy": self._entropy,
         } | self._gap
         return out
+
+    def set_lr(self, batches_done: int) -> float:
+        """The LR of the next batch, from the number of batches trained before it."""
+        s = self.s
+        lr = s.lr * lr_factor(batches_done, warmup=s.warmup_batches, schedule=s.lr_schedule,
+                              decay=s.lr_decay_batches or s.max_batches, min_ratio=s.lr_min_ratio)  # fmt: skip
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.batches_done = batches_done + 1
+        return lr
 
     def _step(self) -> float:
         """Optimizer step; returns the gradient norm before clipping."""

@@ -23,7 +23,7 @@ from services.common.streams import KEY_BATCH_ID, KEY_POLICY_VERSION, STREAM_BAT
 def start_learner(model: Path, run_dir: Path, url: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
     args = ["--model-dir", str(model), "--run-dir", str(run_dir), "--redis-url", url, "--port", str(port),
             "--checkpoint-every", "3", "--minibatches", "2", "--micro-batch-size", "4", "--lr", "1e-3",
-            "--warmup-steps", "0", "--sync-port", "0", *extra]  # fmt: skip
+            "--warmup-batches", "0", "--sync-port", "0", *extra]  # fmt: skip
     env = child_env(OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "learner", *args], env=env, cwd=ROOT)
 

@@ -18,7 +18,7 @@ from services.common.schemas import TrainBatch
 @pytest.mark.parametrize("stage", [0, 2])
 def test_positive_advantage_tokens_gain_probability(tmp_path: Path, stage: int) -> None:
     model_dir = tiny_llama(tmp_path / "model")
-    s = LearnerSettings(model_dir=model_dir, run_dir=tmp_path / "run", zero_stage=stage, lr=1e-3, warmup_steps=0,
+    s = LearnerSettings(model_dir=model_dir, run_dir=tmp_path / "run", zero_stage=stage, lr=1e-3, warmup_batches=0,
                         minibatches=2, micro_batch_size=2)  # fmt: skip
     trainer = Trainer(s)
     fixed = TrainBatch.assemble(0, [group(1, [1.0, -1.0, 1.0, -1.0]), group(2, [-1.0, 1.0, 0.0, 0.0])])
@@ -53,7 +53,7 @@ def test_the_off_policy_correction_weighs_the_update(tmp_path: Path) -> None:
                            -0.1)  # fmt: skip
     grad, moved = {}, {}
     for mode in ("off", "token-mask", "token-tis"):
-        s = LearnerSettings(model_dir=model_dir, run_dir=tmp_path / mode, lr=1e-2, warmup_steps=0, minibatches=1,
+        s = LearnerSettings(model_dir=model_dir, run_dir=tmp_path / mode, lr=1e-2, warmup_batches=0, minibatches=1,
                             micro_batch_size=4, weight_decay=0.0, off_policy=mode,
                             off_policy_cap=2.0)  # type: ignore[arg-type]  # fmt: skip
         trainer = Trainer(s)
@@ -68,3 +68,19 @@ def test_the_off_policy_correction_weighs_the_update(tmp_path: Path) -> None:
             assert m["is_bound_frac"] == (1.0 if mode == "token-mask" else 0.0)
     assert moved["off"] > 0 and moved["token-mask"] == 0.0 and grad["token-mask"] == 0.0  # nothing left to learn
     assert 0 < grad["token-tis"] < grad["off"] / 50  # weights of about e^-5.4 (Adam's step hides the scale)
+
+
+@pytest.mark.slow
+def test_the_lr_follows_batches_not_optimizer_steps(tmp_path: Path) -> None:
+    """Two mini-batches per batch used to advance a warm-up of 2 *optimizer* steps within the first batch. The
+    warm-up counts batches now, and a learner resuming at version 5 is where the schedule says."""
+    model_dir = tiny_llama(tmp_path / "model")
+    s = LearnerSettings(model_dir=model_dir, run_dir=tmp_path / "run", lr=1e-3, warmup_batches=2, minibatches=2,
+                        micro_batch_size=4, lr_schedule="cosine", lr_decay_batches=4, lr_min_ratio=0.0)  # fmt: skip
+    trainer = Trainer(s)
+    batch = TrainBatch.assemble(0, [group(1, [1.0, -1.0, 1.0, -1.0])])
+    lrs = [trainer.train(batch)["lr"] for _ in range(3)]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3])
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # what the optimizer steps with
+    assert trainer.train(batch, version=4)["lr"] == pytest.approx(1e-3 * 0.5)  # 2 batches into a 4-batch cosine
+    assert trainer.train(batch, version=9)["lr"] == pytest.approx(0.0, abs=1e-12)

@@ -69,7 +69,7 @@ def serving(client: redis.Redis, name: str, version: int, checksum_: int | None 
 def learner(model_dir: Path, run_dir: Path, url: str, stage: int, **kw: object) -> tuple[Trainer, WeightSender,
                                                                                       CollectorRegistry]:  # fmt: skip
     s = LearnerSettings(model_dir=model_dir, run_dir=run_dir, redis_url=url, zero_stage=stage, lr=5e-3,
-                        warmup_steps=0, minibatches=1, micro_batch_size=4, sync_port=0, sync_timeout_s=TIMEOUT_S,
+                        warmup_batches=0, minibatches=1, micro_batch_size=4, sync_port=0, sync_timeout_s=TIMEOUT_S,
                         sync_bucket_mb=0.5, **kw)  # type: ignore[arg-type]  # fmt: skip  # several buckets, ~3 MB
     trainer = Trainer(s)
     registry = CollectorRegistry()

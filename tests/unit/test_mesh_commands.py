@@ -56,8 +56,8 @@ def test_the_dapo_preset_becomes_these_command_lines(tmp_path: Path) -> None:
     assert (learner.model_dir, learner.run_dir, learner.max_batches) == (MODEL, paths.learner, 45)
     assert (learner.minibatches, learner.lr, learner.weight_sync) == (2, 2e-5, "broadcast")
     assert learner.sync_port == p["sync"]
-    assert (learner.clip_high, learner.loss_agg, learner.warmup_steps, learner.hold_after_max) == (
-        0.28, "token-mean", 4, True)  # fmt: skip  # from the preset's [learner]
+    assert (learner.clip_high, learner.loss_agg, learner.warmup_batches, learner.hold_after_max) == (
+        0.28, "token-mean", 2, True)  # fmt: skip  # from the preset's [learner]
 
     buffer = parsed(cmds["buffer"])
     assert (buffer.dataset, buffer.n_samples, buffer.batch_size, buffer.run_dir) == (
