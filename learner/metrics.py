@@ -33,6 +33,8 @@ class LearnerMetrics:
         self.logp_gap_by_lag = gauge("logp_gap_by_lag", "Mean |log p gap| per token, by the samples' version lag.",
                                      ("lag",))  # fmt: skip
         self.is_bound = gauge("offpolicy_bound_fraction", "Tokens the off-policy correction truncated or masked.")
+        self.stale_groups = Counter("dapo_learner_stale_groups", "Groups past --max-staleness at the update, by what "
+                                    "was done (drop, reweight).", ["action"], registry=registry)  # fmt: skip
         self.batches_pending = gauge("batches_pending", "Batches waiting in the stream for the learner.")
         self.batches_trained = Counter("dapo_learner_batches_trained", "Batches trained.", registry=registry)
         self.batches_skipped = Counter(

@@ -28,15 +28,17 @@ from learner.settings import LearnerSettings
 from learner.trainer import Trainer
 from learner.weight_sync import WeightSender
 from services.common import ledger
-from services.common.schemas import LedgerEntry, TrainBatch
+from services.common.schemas import DroppedGroup, LedgerEntry, ScoredGroup, TrainBatch
 from services.common.stream_admin import safe_trim, stream_stats
 from services.common.streams import (
     GROUP_LEARNER,
     KEY_BATCH_ID,
     KEY_POLICY_VERSION,
     STREAM_BATCHES,
+    STREAM_DROPPED,
     Delivery,
     StreamConsumer,
+    StreamProducer,
     raise_counter,
 )
 
@@ -55,6 +57,7 @@ class Learner:
         self.unacked: list[str] = []  # trained, not yet in a checkpoint: acknowledged by the next commit()
         self.trained_now = 0  # batches this process trained
         self.ledger = ledger.open_ledger(s.run_dir)
+        self.dropped = StreamProducer(client, STREAM_DROPPED)
 
     @property
     def finished(self) -> bool:
@@ -75,12 +78,43 @@ class Learner:
             if len(self.unacked) >= self.s.checkpoint_every:
                 self.commit()
 
+    def fresh_part(self, d: Delivery[TrainBatch]) -> TrainBatch | None:
+        """The batch without the groups that are past --max-staleness now, at the update (recorded as dropped); None
+        when no group is left (the batch is acknowledged at once: nothing of it reaches the weights)."""
+        batch, s, version = d.message, self.s, self.state.version
+        if s.max_staleness is None:
+            return batch
+        stale = [g for g in batch.groups if version - g.min_version > s.max_staleness]
+        if not stale:
+            return batch
+        self.m.stale_groups.labels(s.stale_groups).inc(len(stale))
+        if s.stale_groups == "reweight":  # trained, under the off-policy correction
+            return batch
+        records = [(STREAM_DROPPED, self.stale_record(g, version)) for g in stale]
+        gone = {g.group_id for g in stale}
+        fresh = [g for g in batch.groups if g.group_id not in gone]
+        log.warning("batch %d: %d of %d groups are more than %d versions behind %d: dropped", batch.batch_id,
+                    len(stale), len(batch.groups), s.max_staleness, version)  # fmt: skip
+        if not fresh:
+            self.consumer.ack_and_publish([d.entry_id], records)  # dropped and acknowledged in one step
+            return None
+        self.dropped.publish_many(msg for _, msg in records)  # again if a crash redelivers the batch: harmless
+        return TrainBatch.assemble(batch.batch_id, fresh)
+
+    @staticmethod
+    def stale_record(g: ScoredGroup, version: int) -> DroppedGroup:
+        return DroppedGroup(task_id=g.group_id, prompt_id=g.task.prompt_id, reason="stale_at_update",
+                            replica_id=g.replica_id, min_version=g.min_version, at_version=version)  # fmt: skip
+
     def train(self, d: Delivery[TrainBatch]) -> None:
         """Train -> snapshot -> publish the version and the weights -> ledger; acknowledged at the next commit."""
-        batch, s, state = d.message, self.s, self.state
+        s, state = self.s, self.state
+        batch = self.fresh_part(d)
+        if batch is None:
+            return
         m: dict[str, Any] = self.trainer.train(batch, version=state.version)
         lag = max(0, state.version - batch.min_version)
-        digest = batch.digest()
+        digest = d.message.digest()  # what was consumed: a redelivery of it is recognised, however it was cut
         state.advance(batch.batch_id, s.minibatches, digest)
         self.done.add(digest)
         self.m.record(m, state.version, lag)

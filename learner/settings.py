@@ -43,6 +43,17 @@ class LearnerSettings(ServiceSettings, RedisSettings):
         "token-tis (truncated at C), token-mask (0 outside [1/C, C]), seq-tis (geometric mean per sample, at C).",
     )
     off_policy_cap: float = Field(2.0, gt=1, description="C of the off-policy correction.")
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="Bound on a group's version lag when it is trained (the buffer checks it when it "
+        "batches; versions move on meanwhile). Unset: no bound at the update.",
+    )
+    stale_groups: Literal["drop", "reweight"] = Field(
+        "drop",
+        description="A group past --max-staleness at the update: drop it (recorded in dapo:dropped), or "
+        "train it under the off-policy correction (needs --off-policy).",
+    )
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint (and acknowledge) every n batches.")
     keep_checkpoints: int = Field(2, ge=1, description="DeepSpeed checkpoints kept on disk.")
     hf_export: bool = Field(
@@ -74,6 +85,14 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     )
     seed: int = Field(0, description="Seed of the mini-batch shuffling.")
     dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port for a single process (0: free).")
+
+    @model_validator(mode="after")
+    def _reweight_needs_a_correction(self) -> Self:
+        if self.max_staleness is not None and self.stale_groups == "reweight" and self.off_policy == "off":
+            raise ValueError(
+                "stale_groups reweight: set off_policy (token-tis, token-mask or seq-tis) to reweight with"
+            )
+        return self
 
     @model_validator(mode="after")
     def _cosine_has_a_length(self) -> Self:

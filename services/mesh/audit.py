@@ -4,10 +4,11 @@ It reads the streams (prompts, rollouts, batches, dropped records, dead letters)
 groups' pending lists from Redis, and the learner's checkpointed state and ledger from the run
 directory, and puts every dispatched prompt (task id) in exactly one place:
 
-    trained        in a batch whose update the checkpointed weights contain
+    trained        in a batch whose update the checkpointed weights contain (as the ledger lists its groups)
+    dropped        the buffer decided not to train it, with the reason (dynamic sampling, stale), or the learner
+                   found it too stale at the update; a group dropped as a duplicate counts where its other copy
+                   is, and as vanished if that is nowhere
     in_batch       in a published batch the learner has not trained (yet)
-    dropped        the buffer decided not to train it, with the reason (dynamic sampling, stale); a group
-                   dropped as a duplicate counts where its other copy is, and as vanished if that is nowhere
     at_buffer      scored, waiting for the buffer (its pending list or unread)
     at_rollout     not answered yet (the rollout group's pending list or unread)
     dead_lettered  moved to the dead-letter stream
@@ -143,15 +144,18 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
         b = decode(f, TrainBatch)
         batch_groups.setdefault(b.digest(), {g.group_id for g in b.groups})
     ledger = read_ledger(paths.learner)
+    trained_groups: dict[str, set[str]] = {}  # what each trained batch put in the weights: the ledger's task ids
     for e in ledger:
         batch_groups.setdefault(e.digest or f"#{e.batch_id}", set(e.task_ids))
+        trained_groups.setdefault(e.digest or f"#{e.batch_id}", set(e.task_ids))
     r.trainings_lost_in_crashes = max(0, len(ledger) - len({e.digest or f"#{e.batch_id}" for e in ledger}))
     owners: dict[str, set[str]] = defaultdict(set)
     for key, tids in batch_groups.items():
         for t in tids:
             owners[t].add(key)
     r.groups_in_two_batches = sorted(t for t, bids in owners.items() if len(bids) > 1)
-    trained = {t for t, bids in owners.items() if bids & in_weights}
+    # a group of a trained batch is trained unless the learner dropped it at the update (too stale by then)
+    trained = {t for k in in_weights for t in trained_groups.get(k, batch_groups.get(k, set()))}
     in_batch = set(owners) - trained
 
     dead: set[str] = set()
@@ -162,7 +166,7 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
 
     counts = dict.fromkeys(PLACES, 0)
     for t in dispatched:
-        place = ("trained" if t in trained else "in_batch" if t in in_batch else "dropped" if t in dropped
+        place = ("trained" if t in trained else "dropped" if t in dropped else "in_batch" if t in in_batch
                  else "at_buffer" if t in at_buffer else "at_rollout" if t in at_rollout
                  else "dead_lettered" if t in dead else "vanished")  # fmt: skip
         counts[place] += 1

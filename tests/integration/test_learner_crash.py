@@ -16,8 +16,16 @@ from learner.tiny import tiny_batch, tiny_llama
 from services.common.launch import ROOT, child_env
 from services.common.ledger import read_ledger
 from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.schemas import LedgerEntry
-from services.common.streams import KEY_BATCH_ID, KEY_POLICY_VERSION, STREAM_BATCHES, StreamProducer, connect
+from services.common.schemas import DroppedGroup, LedgerEntry, TrainBatch
+from services.common.streams import (
+    KEY_BATCH_ID,
+    KEY_POLICY_VERSION,
+    STREAM_BATCHES,
+    STREAM_DROPPED,
+    StreamProducer,
+    connect,
+    decode,
+)
 
 
 def start_learner(model: Path, run_dir: Path, url: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
@@ -115,3 +123,41 @@ def test_a_batch_id_handed_out_again_is_trained_and_a_copy_is_not(tmp_path: Path
         assert final["trained"] == [0, 0, 1] and final["version"] == 3
         assert final["digests"] == [e.digest for e in entries]
         assert client.xpending(STREAM_BATCHES, "learner")["pending"] == 0  # the copy was acknowledged, not trained
+
+
+@pytest.mark.slow
+def test_groups_too_stale_at_the_update_never_reach_it(tmp_path: Path) -> None:
+    """The buffer bounds staleness when it batches; the learner's version moves on while batches wait. With
+    --max-staleness 1 the learner checks again at the update: a batch whose groups are all 2 versions behind is
+    dropped whole (recorded, acknowledged, never trained), a mixed one is trained without its stale group."""
+    from learner.tiny import group
+
+    model = tiny_llama(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    rewards = [1.0, -1.0, 1.0, -1.0]
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        client = connect(server.url)
+        fresh = group(301, rewards, version=2)
+        mixed = TrainBatch.assemble(3, [group(300, rewards, version=0), fresh])
+        StreamProducer(client, STREAM_BATCHES).publish_many([tiny_batch(0), tiny_batch(1), tiny_batch(2), mixed])
+        # versions at the update: 0, 1, 2 (batch 2's samples are version 0: lag 2, dropped), 2 (mixed)
+        proc = start_learner(model, run_dir, server.url, free_port(), "--max-staleness", "1", "--max-batches", "3")
+        assert proc.wait(300) == 0
+        entries = ledger(run_dir)
+        assert [e.batch_id for e in entries] == [0, 1, 3]
+        assert entries[2].task_ids == [fresh.group_id] and entries[2].lag == 0  # the stale group is not in it
+        dropped = [decode(f, DroppedGroup) for _, f in client.xrange(STREAM_DROPPED)]
+        stale_ids = {g.group_id for g in tiny_batch_groups(client, 2)} | {mixed.groups[0].group_id}
+        assert {d.task_id for d in dropped} == stale_ids and {d.reason for d in dropped} == {"stale_at_update"}
+        assert all(d.at_version - d.min_version == 2 for d in dropped)
+        assert state(run_dir)["trained"] == [0, 1, 3]
+        assert client.xpending(STREAM_BATCHES, "learner")["pending"] == 0
+
+
+def tiny_batch_groups(client, batch_id: int):  # type: ignore[no-untyped-def]
+    """The groups of a published batch, read back from the stream."""
+    for _, f in client.xrange(STREAM_BATCHES):
+        b = decode(f, TrainBatch)
+        if b.batch_id == batch_id:
+            return b.groups
+    raise AssertionError(f"no batch {batch_id}")
