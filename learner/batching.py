@@ -27,6 +27,7 @@ class BatchTensors:
     group_index: torch.Tensor  # [N] long
     truncated: torch.Tensor  # [N] bool
     versions: torch.Tensor  # [N] long: policy version that generated each sample
+    temperature: torch.Tensor  # [N] float: the sampling temperature, applied to the learner's logits (greedy: 1)
     # filled in by the trainer before the updates:
     old_logp: torch.Tensor | None = None  # [N, T] log-probs under the weights before this batch
     advantages: torch.Tensor | None = None  # [N]
@@ -54,7 +55,7 @@ class BatchTensors:
 def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None) -> BatchTensors:
     """`tokenize` is used only for prompts that arrive as text without token ids."""
     rows: list[tuple[list[int], list[int], list[float]]] = []
-    rewards, groups, truncated, versions = [], [], [], []
+    rewards, groups, truncated, versions, temps = [], [], [], [], []
     for gi, group in enumerate(batch.groups):
         task = group.task
         if task.prompt_token_ids is not None:
@@ -69,6 +70,7 @@ def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None)
             groups.append(gi)
             truncated.append(sample.truncated)
             versions.append(sample.policy_version)
+            temps.append(sample.temperature if sample.temperature > 0 else 1.0)
     width = max(len(p) + len(r) for p, r, _ in rows)
     n = len(rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -85,6 +87,7 @@ def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None)
         input_ids, attention, response, behaviour,
         torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups, dtype=torch.long),
         torch.tensor(truncated, dtype=torch.bool), torch.tensor(versions, dtype=torch.long),
+        torch.tensor(temps, dtype=torch.float32),
     )  # fmt: skip
 
 

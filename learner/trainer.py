@@ -98,7 +98,7 @@ class Trainer:
         for idx in microbatches(torch.arange(len(t)), self.s.micro_batch_size):
             part = t.select(idx)
             ids = part.input_ids.to(self.device)
-            logits = self.engine(input_ids=ids, attention_mask=part.attention_mask.to(self.device)).logits
+            logits = self._logits(part, ids)
             logp, ent = token_logprobs_and_entropy(logits, ids, with_entropy=mask is not None)
             out[idx, : ids.shape[1]] = logp.float().cpu()
             if ent is not None and mask is not None:
@@ -106,6 +106,13 @@ class Trainer:
                 ent_sum += float((ent * m).sum())
                 ent_n += float(m.sum())
         return out, ent_sum / max(ent_n, 1.0)
+
+    def _logits(self, part: BatchTensors, ids: torch.Tensor) -> torch.Tensor:
+        """The model's logits at each sample's own sampling temperature: pi_prox, pi_theta and the entropy are those
+        of the distribution the rollout sampled from, as its behaviour log-probs are."""
+        logits = self.engine(input_ids=ids, attention_mask=part.attention_mask.to(self.device)).logits
+        temp = part.temperature.to(self.device, logits.dtype)
+        return logits if bool((temp == 1).all()) else logits / temp.view(-1, 1, 1)
 
     def prepare(self, batch: TrainBatch, version: int | None = None) -> BatchTensors:
         """Tensors, advantages, the proximal log-probs, the off-policy weights; the behaviour/proximal gap in
@@ -185,8 +192,7 @@ class Trainer:
     ) -> tuple[dict[str, float], float]:
         assert part.old_logp is not None and part.advantages is not None and part.loss_mask is not None
         ids = part.input_ids.to(self.device)
-        logits = self.engine(input_ids=ids, attention_mask=part.attention_mask.to(self.device)).logits
-        logp = token_logprobs(logits, ids)
+        logp = token_logprobs(self._logits(part, ids), ids)
         dev = self.device
         loss, m = policy_loss(
             logp, part.old_logp.to(dev), part.advantages.to(dev), part.loss_mask.to(dev),

@@ -5,9 +5,10 @@
     engine.load_weights(hf_dir, version=7)                    # a learner snapshot (late joiners, filesystem transport)
     engine.load_tensors(named_tensors, version=8)             # a broadcast round (rollout/weight_receiver.py)
 
-Behaviour log-probs are those of the model's own distribution (temperature 1, no top-p), which is
-what the learner recomputes; with DAPO's temperature 1.0 and top-p 1.0 that is the sampling
-distribution itself.
+Behaviour log-probs are those of the distribution sampled from: at the sampling temperature, with top-p applied
+(greedy: the model's own). The learner recomputes them with the temperature each Sample carries (not top-p: with
+top-p < 1 the off-policy weight sees the truncation); with DAPO's temperature 1.0 and top-p 1.0 all of these are
+the model's own distribution.
 """
 
 from __future__ import annotations
@@ -97,8 +98,12 @@ class HFEngine:
                     max_new_tokens=params.max_tokens, output_logits=True, return_dict_in_generate=True,
                     pad_token_id=self.pad,
                 )  # fmt: skip
-            # raw logits -> the model's own log-probs of the sampled tokens
-            logp = torch.stack(res.logits, dim=1).float().log_softmax(-1)  # [k, steps, V]
+            # raw logits -> log-probs of the distribution sampled from: at the temperature, top-p applied (greedy:
+            # the model's own), as vLLM's processed log-probs
+            logits = torch.stack(res.logits, dim=1).float()  # [k, steps, V]
+            if params.temperature > 0:
+                logits = top_p_filter(logits / params.temperature, params.top_p)
+            logp = logits.log_softmax(-1)
             new = res.sequences[:, len(prompt) :]
             picked = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
             out.append([self._completion(new[j].tolist(), picked[j].tolist(), params.max_tokens) for j in range(k)])
@@ -128,6 +133,19 @@ class HFEngine:
             raise ValueError(f"weights from {source} do not fit the model: missing {missing}, unexpected {unexpected}")
         self.model.tie_weights()
         self.version = version
+
+
+def top_p_filter(logits: Any, top_p: float) -> Any:
+    """Logits outside the nucleus (the smallest set of tokens with probability >= top_p) set to -inf, keeping at
+    least the most likely token: what vLLM's sampler does before its processed log-probs."""
+    if top_p >= 1.0:
+        return logits
+    import torch
+
+    ordered, order = logits.sort(dim=-1)
+    drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
+    drop[..., -1] = False
+    return torch.empty_like(logits).scatter_(-1, order, ordered.masked_fill(drop, float("-inf")))
 
 
 def load_engine(model_dir: Path, kind: str, **vllm_kw: Any) -> Engine:

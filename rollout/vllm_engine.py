@@ -32,9 +32,11 @@ class VllmEngine:
         from vllm import LLM
 
         kwargs: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
+        # processed: the log-probs of the distribution sampled from (after the temperature), as the learner
+        # recomputes them with the temperature each Sample carries; greedy requests get the model's own
         self.llm = LLM(
             model=str(model_dir), dtype="float32", enforce_eager=eager, seed=0, max_logprobs=1,
-            enable_prefix_caching=True, **kwargs,
+            enable_prefix_caching=True, logprobs_mode="processed_logprobs", **kwargs,
         )  # fmt: skip
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0

@@ -249,7 +249,8 @@ class Worker:
         groups = []
         for task, prompt, o in zip(tasks, gen.prompts, gen.outs, strict=True):
             samples = [Sample(response_token_ids=c.token_ids, response_text=c.text, logprobs=c.logprobs,
-                              finish_reason=c.finish_reason, policy_version=gen.version) for c in o]  # fmt: skip
+                              finish_reason=c.finish_reason, policy_version=gen.version,
+                              temperature=self.params.temperature, top_p=self.params.top_p) for c in o]  # fmt: skip
             scores = []
             for _ in o:
                 r = next(results)

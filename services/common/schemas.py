@@ -56,13 +56,21 @@ class PromptTask(Message):
 
 
 class Sample(Message):
-    """One sampled response, with the behaviour log-prob of every response token."""
+    """One sampled response, with the behaviour log-prob of every response token and how it was sampled.
 
+    Schema 2 added `temperature` and `top_p`; a schema-1 sample (without them) reads as sampled at 1.0 and 1.0."""
+
+    schema_version: Literal[1, 2] = 2  # type: ignore[assignment]
     response_token_ids: TokenIds
     response_text: str
-    logprobs: LogProbs = Field(description="Behaviour log-prob of each response token (float32).")
+    logprobs: LogProbs = Field(
+        description="Behaviour log-prob of each response token (float32), of the distribution sampled from: at "
+        "`temperature` (the learner applies the same temperature to its logits)."
+    )
     finish_reason: FinishReason
     policy_version: int = Field(ge=0, description="Version of the weights that generated this sample.")
+    temperature: FiniteFloat = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy; logprobs at 1).")
+    top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of this sample.")
 
     @property
     def truncated(self) -> bool:

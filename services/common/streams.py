@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, get_args
 from weakref import WeakKeyDictionary
 
 import msgpack
@@ -154,11 +154,13 @@ def decode(fields: dict[bytes, bytes], model: type[M], *, max_bytes: int = DEFAU
         body = msgpack.unpackb(data)
     except (ValueError, msgpack.UnpackException) as e:
         raise DecodeError("not_msgpack", f"body is not valid msgpack: {e}") from e
-    if isinstance(body, dict) and body.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+    known = get_args(model.model_fields["schema_version"].annotation) or (SCHEMA_VERSION,)
+    if isinstance(body, dict) and body.get("schema_version", SCHEMA_VERSION) not in known:
+        speaks = " or ".join(map(str, known))
         raise DecodeError(
             "schema_version",
-            f"schema_version {body['schema_version']!r} is not {SCHEMA_VERSION}, the version this "
-            "consumer speaks: upgrade the consumer or drain the stream with the old version",
+            f"schema_version {body['schema_version']!r} is not {speaks}, what this consumer speaks: upgrade the "
+            "consumer or drain the stream with the old version",
         )
     try:
         return model.model_validate(body)

@@ -84,3 +84,39 @@ def test_the_lr_follows_batches_not_optimizer_steps(tmp_path: Path) -> None:
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # what the optimizer steps with
     assert trainer.train(batch, version=4)["lr"] == pytest.approx(1e-3 * 0.5)  # 2 batches into a 4-batch cosine
     assert trainer.train(batch, version=9)["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def sampled_at(trainer: Trainer, batch: TrainBatch, temps: list[float], claim: list[float] | None = None) -> TrainBatch:
+    """The batch as a rollout at temperature temps[g] would send it: behaviour log-probs of the learner's current
+    weights at that temperature; each Sample says it was sampled at claim[g] (default: the truth)."""
+    from learner.loss import token_logprobs
+
+    groups = []
+    for g, temp, said in zip(batch.groups, temps, claim or temps, strict=True):
+        prompt = g.task.prompt_token_ids.tolist()
+        samples = []
+        for s in g.samples:
+            ids = torch.tensor([prompt + s.response_token_ids.tolist()])
+            with torch.no_grad():
+                lp = token_logprobs(trainer.engine.module(ids).logits.float() / temp, ids)[0, len(prompt) :]
+            samples.append(s.model_copy(update={"logprobs": LogProbs(lp.tolist()), "temperature": said}))
+        groups.append(g.model_copy(update={"samples": samples}))
+    return TrainBatch.assemble(batch.batch_id, groups)
+
+
+@pytest.mark.slow
+def test_the_learner_scores_at_each_sample_s_temperature(tmp_path: Path) -> None:
+    """Behaviour log-probs come at the sampling temperature. The learner used to score at T = 1: a batch sampled at
+    0.7 looked off-policy by the difference. Now the proximal log-probs equal the behaviour ones at the first
+    update (no gap), for one temperature and for a batch that mixes two; a sample that misstates its temperature
+    shows the gap."""
+    s = LearnerSettings(model_dir=tiny_llama(tmp_path / "model"), run_dir=tmp_path / "run", lr=1e-3, warmup_batches=0,
+                        minibatches=1, micro_batch_size=4)  # fmt: skip
+    trainer = Trainer(s)
+    base = TrainBatch.assemble(0, [group(1, [1.0, -1.0, 1.0, -1.0]), group(2, [-1.0, 1.0, 1.0, -1.0])])
+    for temps in ([0.7, 0.7], [0.7, 1.0]):
+        m = trainer.train(sampled_at(trainer, base, temps))
+        assert m["logp_gap_mean"] < 1e-5 and m["behav_kl"] < 1e-8, (temps, m)
+        assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    wrong = trainer.train(sampled_at(trainer, base, [0.7, 0.7], claim=[1.0, 1.0]))
+    assert wrong["logp_gap_mean"] > 0.05  # what every T != 1 batch looked like before

@@ -17,13 +17,14 @@ from rollout.engine import Completion, HFEngine, SamplingParams, encode_prompt
 from services.common.launch import ROOT
 
 
-def reference_logprobs(model_dir: Path, prompt: list[int], c: Completion) -> list[float]:
+def reference_logprobs(model_dir: Path, prompt: list[int], c: Completion, temperature: float = 1.0) -> list[float]:
+    """transformers' log-probs of the completion's tokens at the sampling temperature (what the learner computes)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + c.token_ids])
     with torch.no_grad():
-        lp = token_logprobs(model(ids).logits, ids)[0, len(prompt) :]
+        lp = token_logprobs(model(ids).logits / temperature, ids)[0, len(prompt) :]
     return lp.tolist()
 
 
@@ -41,6 +42,9 @@ def test_hf_engine_samples_and_logprobs(model_dir: Path) -> None:
     assert len({tuple(c.token_ids) for c in outs[0]}) > 1  # G different samples
     again = engine.generate(prompts, [4, 2], SamplingParams(max_tokens=12, seed=7))
     assert [[c.token_ids for c in o] for o in again] == [[c.token_ids for c in o] for o in outs]  # seeded
+    cool = engine.generate(prompts[:1], 2, SamplingParams(temperature=0.7, max_tokens=12, seed=7))
+    for c in cool[0]:  # behaviour log-probs at the sampling temperature
+        assert c.logprobs == pytest.approx(reference_logprobs(model_dir, prompts[0], c, 0.7), abs=1e-4)
 
 
 VLLM_CHECK = """
@@ -56,6 +60,8 @@ if __name__ == "__main__":
     e.load_weights(sys.argv[2], version=3)  # other weights, in place
     outs = e.generate(prompts, [4, 2, 2], SamplingParams(max_tokens=12, seed=7))
     print("RELOADED " + json.dumps({"version": e.version, "outs": [[c.__dict__ for c in o] for o in outs]}))
+    outs = e.generate(prompts[:2], 2, SamplingParams(temperature=0.7, max_tokens=12, seed=7))
+    print("COOL " + json.dumps({"outs": [[c.__dict__ for c in o] for o in outs]}))
 """
 
 
@@ -93,3 +99,11 @@ def test_vllm_engine_samples_and_logprobs(model_dir: Path, tmp_path: Path) -> No
             worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, ref, strict=True)))
     # (the long prompt's cached prefix was computed with the OLD weights: it must not be reused)
     assert worst < 1e-3, f"after an in-place reload vLLM log-probs differ from the new weights by {worst}"
+
+    cool = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("COOL "))[5:])
+    worst = 0.0
+    for prompt, o in zip(data["prompts"][:2], cool["outs"], strict=True):
+        for c in (Completion(**x) for x in o):
+            ref = reference_logprobs(other, prompt, c, 0.7)  # at the sampling temperature, the reloaded weights
+            worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, ref, strict=True)))
+    assert worst < 1e-3, f"vLLM log-probs at temperature 0.7 differ from transformers' by {worst}"

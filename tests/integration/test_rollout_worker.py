@@ -72,7 +72,7 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
 def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: EmbeddedRedis, engine: str) -> None:
     client = connect(server.url)
     StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(4))
-    proc = start(model_dir, server.url, reward_url, "r0", engine=engine)
+    proc = start(model_dir, server.url, reward_url, "r0", "--temperature", "0.9", engine=engine)
     try:
         got = wait_groups(client, 4)
         hb = unpack(client.get(REPLICA_KEY_PREFIX + "r0"), ReplicaHeartbeat)
@@ -84,6 +84,7 @@ def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: 
     for g in got:
         assert len(g.samples) == 3 and g.replica_id == "r0"
         assert all(s.policy_version == 0 and len(s.logprobs) == len(s.response_token_ids) for s in g.samples)
+        assert all((s.temperature, s.top_p) == (0.9, 1.0) for s in g.samples)  # how they were sampled travels along
         assert g.task.prompt_token_ids is not None  # the exact tokens the learner must train on
         for s, sc in zip(g.samples, g.scores, strict=True):
             assert sc.acc == ("answer" not in s.response_text[-300:].lower())  # the reward server's verdict

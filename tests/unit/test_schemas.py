@@ -143,6 +143,16 @@ def test_decode_missing_fields() -> None:
     assert e.value.kind == "malformed"
 
 
+def test_a_schema_1_sample_still_reads() -> None:
+    """Schema 2 of Sample added the sampling parameters; a sample written before reads as sampled at 1.0."""
+    body = example_group(0).samples[0].model_dump() | {"schema_version": 1}
+    del body["temperature"], body["top_p"]
+    old = decode({b"type": b"Sample", b"data": msgpack.packb(body)}, Sample)
+    assert (old.schema_version, old.temperature, old.top_p) == (1, 1.0, 1.0)
+    with pytest.raises(DecodeError, match="schema_version 3 is not 1 or 2"):
+        decode({b"type": b"Sample", b"data": msgpack.packb(body | {"schema_version": 3})}, Sample)
+
+
 def test_decode_future_schema_version() -> None:
     body = example_group(0).task.model_dump() | {"schema_version": 2}
     with pytest.raises(DecodeError, match="schema_version 2") as e:
