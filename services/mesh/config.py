@@ -62,6 +62,11 @@ class MeshConfig(BaseModel):
     eval_k: int = Field(4, ge=1, description="Samples per held-out prompt.")
     linger_s: float = Field(0.0, ge=0, description="Keep the mesh up this long after the last step.")
     max_restarts: int = Field(10, ge=0, description="Per service; 0: the first exit stops the mesh.")
+    seed: int | None = Field(
+        None,
+        description="Seeds the rollouts' sampling, the learner's mini-batch shuffle and the buffer's dispatch order "
+        "(unset: random sampling): the same seed repeats a run's samples for the same weights.",
+    )
     extra: dict[Service, list[str]] = Field(default_factory=dict, description="More flags per service.")
 
     @classmethod

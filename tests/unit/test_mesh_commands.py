@@ -82,6 +82,15 @@ def test_preset_flags_come_last_so_they_win(tmp_path: Path) -> None:
     assert parsed(cmds["buffer"]).batch_size == 2
 
 
+def test_a_seed_reaches_every_sampler(tmp_path: Path) -> None:
+    cfg = MeshConfig(run_dir=tmp_path, replicas=2, seed=5)
+    cmds = {c.name: c for c in service_commands(cfg, MODEL, URL, ports(cfg))}
+    assert [parsed(cmds[f"rollout-{i}"]).seed for i in (0, 1)] == [5, 6]  # replicas must not repeat each other
+    assert parsed(cmds["learner"]).seed == 5 and parsed(cmds["buffer"]).shuffle_seed == 5
+    unseeded = {c.name: c for c in service_commands(MeshConfig(run_dir=tmp_path), MODEL, URL, ports(cfg))}
+    assert parsed(unseeded["rollout-0"]).seed is None
+
+
 def test_filesystem_transport_turns_the_broadcast_off_on_both_ends(tmp_path: Path) -> None:
     cfg = MeshConfig.tiny_preset(tmp_path).model_copy(update={"transport": "filesystem"})
     cmds = {c.name: c for c in service_commands(cfg, MODEL, URL, ports(cfg))}

@@ -1,0 +1,131 @@
+"""`dapo-mesh ablate`: presets (DAPO vs GRPO by default) over seeds, and the held-out table.
+
+    dapo-mesh ablate [--presets configs/dapo.toml,configs/grpo.toml] [--seeds 1,2,3] [--steps N] [--run-dir DIR]
+    make ablate
+
+Each (preset, seed) is the run `dapo-mesh up --config PRESET --seed SEED` would make, in its own run directory,
+one after the other (they share the cores). A run whose metrics.jsonl already holds its final evaluation is not run
+again: an interrupted ablation resumes where it stopped. From each run's held-out evaluations (rows of kind "eval"):
+the final and the best avg@k. Per preset: the mean and the sample standard deviation over the seeds; then the
+difference of the first preset's mean final avg@k from each other preset's, with its standard error
+sqrt(s1²/n1 + s2²/n2) (Welch). Written to RUN_DIR/ablate.json and RUN_DIR/ablate.md as well as printed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from services.mesh.config import MeshConfig
+from services.mesh.layout import RunLayout
+
+
+@dataclass(frozen=True)
+class RunResult:
+    preset: str
+    seed: int
+    final: float  # held-out avg@k of the last evaluation
+    best: float  # the best of its evaluations
+    final_version: int
+
+
+@dataclass(frozen=True)
+class PresetSummary:
+    preset: str
+    seeds: list[int]
+    final_mean: float
+    final_std: float
+    best_mean: float
+    best_std: float
+
+
+@dataclass(frozen=True)
+class Difference:
+    preset: str  # compared with the first preset
+    diff: float  # first preset's mean final avg@k minus this one's
+    stderr: float
+
+
+def read_run(run_dir: Path) -> tuple[float, float, int] | None:
+    """(final avg@k, best avg@k, version of the final evaluation) from a run's metrics.jsonl; None before any."""
+    path = RunLayout(run_dir).metrics
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    evals = sorted((r["policy_version"], r["eval_acc"]) for r in rows if r.get("kind") == "eval")
+    if not evals:
+        return None
+    return evals[-1][1], max(acc for _, acc in evals), evals[-1][0]
+
+
+def _std(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else math.nan
+
+
+def summarize(results: list[RunResult]) -> tuple[list[PresetSummary], list[Difference]]:
+    order = list(dict.fromkeys(r.preset for r in results))
+    by = {p: [r for r in results if r.preset == p] for p in order}
+    rows = [PresetSummary(p, [r.seed for r in rs], statistics.fmean(r.final for r in rs),
+                          _std([r.final for r in rs]), statistics.fmean(r.best for r in rs), _std([r.best for r in rs]))
+            for p, rs in by.items()]  # fmt: skip
+    first = rows[0]
+    diffs = []
+    for row in rows[1:]:
+        n1, n2 = len(first.seeds), len(row.seeds)
+        stderr = math.sqrt(first.final_std**2 / n1 + row.final_std**2 / n2) if n1 > 1 and n2 > 1 else math.nan
+        diffs.append(Difference(row.preset, first.final_mean - row.final_mean, stderr))
+    return rows, diffs
+
+
+def markdown(results: list[RunResult]) -> str:
+    """The table for the README: one line per run, one per preset (mean ± std), the differences."""
+    rows, diffs = summarize(results)
+    out = ["| preset | seed | final held-out avg@k | best |", "|---|---|---|---|"]
+    out += [f"| {r.preset} | {r.seed} | {r.final:.3f} (v{r.final_version}) | {r.best:.3f} |" for r in results]
+    out += [f"| **{s.preset}** | mean ± std over {len(s.seeds)} | **{s.final_mean:.3f} ± {s.final_std:.3f}** | "
+            f"{s.best_mean:.3f} ± {s.best_std:.3f} |" for s in rows]  # fmt: skip
+    out += [f"\n{rows[0].preset} − {d.preset}: {d.diff:+.3f} ± {d.stderr:.3f} (standard error)" for d in diffs]
+    return "\n".join(out)
+
+
+def run_dir_of(root: Path, preset: Path, seed: int) -> Path:
+    return root / f"{preset.stem}-seed{seed}"
+
+
+Runner = Callable[[MeshConfig], Any]
+
+
+def ablate(presets: list[Path], seeds: list[int], root: Path, *, steps: int | None = None,
+           say: Callable[[str], None] = print, run: Runner | None = None) -> list[RunResult]:  # fmt: skip
+    """Every preset with every seed (skipping runs already complete), then their results in that order."""
+    root.mkdir(parents=True, exist_ok=True)
+    results = []
+    for preset in presets:
+        for seed in seeds:
+            cfg = MeshConfig.from_preset(preset, run_dir=run_dir_of(root, preset, seed), seed=seed)
+            cfg = cfg.model_copy(update={"steps": steps or cfg.steps})
+            done = read_run(cfg.run_dir)
+            if done is None or done[2] < cfg.steps:
+                say(f"ablation: {preset.stem} with seed {seed} ({cfg.steps} steps) in {cfg.run_dir}")
+                (run or _run_mesh)(cfg)
+                done = read_run(cfg.run_dir)
+            if done is None:
+                raise RuntimeError(f"{cfg.run_dir}: the run made no held-out evaluation (eval_every is 0?)")
+            results.append(RunResult(preset.stem, seed, *done))
+    (root / "ablate.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    (root / "ablate.md").write_text(markdown(results) + "\n")
+    return results
+
+
+def _run_mesh(cfg: MeshConfig) -> Any:
+    from services.mesh.local import Mesh
+
+    mesh = Mesh(cfg, say=lambda _: None)
+    try:
+        mesh.start()
+        return mesh.run()
+    finally:
+        mesh.stop()
