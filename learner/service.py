@@ -70,11 +70,12 @@ class Learner:
         for d in self.consumer.read(count=1, block_ms=1000):
             # by content, not by id: a redelivery or a retried XADD is the same batch; a batch id handed out again
             # (a Redis that lost its last writes) is another batch, and is trained
-            if {d.message.digest(), f"#{d.message.batch_id}"} & self.done:  # its update is already in the weights
+            digest = d.message.digest()
+            if {digest, f"#{d.message.batch_id}"} & self.done:  # its update is already in the weights
                 self.consumer.ack(d.entry_id)
                 self.m.batches_skipped.inc()
                 continue
-            self.train(d)
+            self.train(d, digest)
             if len(self.unacked) >= self.s.checkpoint_every:
                 self.commit()
 
@@ -106,15 +107,15 @@ class Learner:
         return DroppedGroup(task_id=g.group_id, prompt_id=g.task.prompt_id, reason="stale_at_update",
                             replica_id=g.replica_id, min_version=g.min_version, at_version=version)  # fmt: skip
 
-    def train(self, d: Delivery[TrainBatch]) -> None:
-        """Train -> snapshot -> publish the version and the weights -> ledger; acknowledged at the next commit."""
+    def train(self, d: Delivery[TrainBatch], digest: str) -> None:
+        """Train -> snapshot -> publish the version and the weights -> ledger; acknowledged at the next commit.
+        `digest`: the consumed batch's (a redelivery of it is recognised, however staleness cut it)."""
         s, state = self.s, self.state
         batch = self.fresh_part(d)
         if batch is None:
             return
         m: dict[str, Any] = self.trainer.train(batch, version=state.version)
         lag = max(0, state.version - batch.min_version)
-        digest = d.message.digest()  # what was consumed: a redelivery of it is recognised, however it was cut
         state.advance(batch.batch_id, s.minibatches, digest)
         self.done.add(digest)
         self.m.record(m, state.version, lag)
