@@ -27,7 +27,7 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
     reward = RewardClient(s.reward_url, token=s.reward_token.get_secret_value() if s.reward_token else None,
                           timeout_s=s.reward_timeout_s, retries=s.reward_retries)  # fmt: skip
     beat_stop = threading.Event()
-    threads: list[threading.Thread] = []
+    heartbeat: threading.Thread | None = None
     with ServiceProcess("rollout", s, loading="loading the engine") as proc:
         try:
             metrics = RolloutMetrics(proc.registry)
@@ -39,18 +39,18 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
             worker.warm_up()
             metrics.version.set(engine.version)
             worker.heartbeat()
-            threads.append(threading.Thread(target=worker.heartbeat_forever, args=(beat_stop,), name="heartbeat"))
+            heartbeat = threading.Thread(
+                target=worker.heartbeat_forever, args=(beat_stop,), name="heartbeat", daemon=True
+            )
+            heartbeat.start()
             if receiver is not None:
-                threads.append(threading.Thread(target=receiver.run, args=(beat_stop,), name="weight-sync"))
-            for th in threads:
-                th.daemon = True
-                th.start()
+                threading.Thread(target=receiver.run, args=(beat_stop,), name="weight-sync", daemon=True).start()
             log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, engine.version)
             while not stop.is_set() and (s.max_prompts is None or worker.done < s.max_prompts):
                 worker.step()
             return worker
         finally:
             beat_stop.set()
-            for th in threads[:1]:  # the heartbeat deletes its key on the way out: before the client closes
-                th.join(10)
+            if heartbeat is not None:  # it deletes its key on the way out: before the client closes
+                heartbeat.join(10)
             reward.close()
