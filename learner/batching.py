@@ -102,3 +102,22 @@ def microbatches(idx: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
     """Consecutive chunks of `size` rows (gradient accumulation within one mini-batch)."""
     for start in range(0, len(idx), size):
         yield idx[start : start + size]
+
+
+def token_microbatches(
+    idx: torch.Tensor, lengths: torch.Tensor, budget: int, max_rows: int | None = None
+) -> list[torch.Tensor]:
+    """Rows `idx` sorted longest first and cut into micro-batches whose padded size (rows x longest) fits `budget`
+    tokens, `max_rows` rows at most; a row longer than the budget is a micro-batch of its own. Padding is what a
+    short row costs beside a long one: sorted, neighbours have near-equal lengths. `budget` 0: `microbatches`."""
+    if budget <= 0:
+        return list(microbatches(idx, max_rows or len(idx) or 1))
+    order = idx[torch.argsort(lengths[idx], descending=True, stable=True)].tolist()
+    out: list[list[int]] = []
+    for i in order:
+        cur = out[-1] if out else None
+        if cur is None or (len(cur) + 1) * int(lengths[cur[0]]) > budget or len(cur) == max_rows:
+            out.append([i])
+        else:
+            cur.append(i)
+    return [torch.tensor(rows, dtype=torch.long) for rows in out]

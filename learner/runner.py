@@ -20,6 +20,7 @@ from learner.service import Learner
 from learner.settings import LearnerSettings
 from learner.trainer import Trainer
 from learner.weight_sync import WeightSender
+from services.common.placement import place
 from services.common.process import ServiceProcess
 from services.common.streams import KEY_POLICY_VERSION
 
@@ -32,6 +33,7 @@ def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
     with ServiceProcess("learner", s, loading="loading the model") as proc:
         try:
             metrics = LearnerMetrics(proc.registry)
+            place(s.cpu_cores, s.threads, log)
             trainer = Trainer(s)
             s.run_dir.mkdir(parents=True, exist_ok=True)
             state = checkpoint.load(trainer.engine, s.run_dir) or LearnerState()

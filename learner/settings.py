@@ -7,6 +7,7 @@ from typing import Literal, Self
 
 from pydantic import Field, SecretStr, model_validator
 
+from services.common.dtype import DtypeChoice
 from services.common.settings import RedisSettings, ServiceSettings
 
 
@@ -15,7 +16,11 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     model_dir: Path = Field(Path(".dapo/models/smollm2-135m-instruct"), description="HF model folder (safetensors).")
     run_dir: Path = Field(Path(".dapo/learner"), description="Checkpoints, HF exports, state and ledger.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    bf16: bool = Field(False, description="Train in bf16 (fp32 master weights).")
+    dtype: DtypeChoice = Field(
+        "auto",
+        description="Compute dtype: bf16 (DeepSpeed bf16: bf16 weights and matmuls, fp32 master weights and optimizer "
+        "state) where the hardware has it (auto), or fp32. Log-softmax, loss, advantages and IS ratios are fp32.",
+    )
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate (DAPO: 1e-6).")
     warmup_batches: int = Field(
         20, ge=0, description="Linear LR warm-up, in trained batches = rollout steps (DAPO: 20); 0: none."
@@ -28,7 +33,20 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (DAPO: 0.1).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip (DAPO: 1.0).")
     minibatches: int = Field(16, ge=1, description="Optimizer steps per TrainBatch (DAPO: 16).")
-    micro_batch_size: int = Field(4, ge=1, description="Samples per forward/backward (gradient accumulation).")
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=0,
+        description="Token budget of one forward/backward: samples sorted by length, packed while rows x longest "
+        "<= budget (0: fixed --micro-batch-size rows, in shuffled order).",
+    )
+    micro_batch_size: int = Field(64, ge=1, description="Samples per forward/backward at most.")
+    logprob_chunk: int = Field(
+        1024, ge=1, description="Positions per chunk of lm_head + log-softmax (memory grows with it, not the batch)."
+    )
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (unset: OMP_NUM_THREADS or torch's).")
+    cpu_cores: str | None = Field(
+        None, description="Pin the process to these CPU cores, e.g. '0' or '0-1' (beside a replica: its own core)."
+    )
     clip_low: float = Field(0.2, gt=0, lt=1, description="epsilon_low of clip-higher.")
     clip_high: float = Field(0.28, gt=0, description="epsilon_high of clip-higher (= clip_low: no clip-higher).")
     clip_c: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages.")

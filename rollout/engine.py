@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from services.common.dtype import Dtype, torch_dtype
+
 log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -69,13 +71,14 @@ def counts(prompts: list[list[int]], n: int | list[int]) -> list[int]:
 class HFEngine:
     """transformers `generate`: for machines without vLLM and for fast tests."""
 
-    def __init__(self, model_dir: Path, *, threads: int | None = None):
+    def __init__(self, model_dir: Path, *, threads: int | None = None, dtype: Dtype = "fp32"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if threads:
             torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.dtype = dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.version = 0
         cfg = self.model.generation_config
@@ -148,9 +151,10 @@ def top_p_filter(logits: Any, top_p: float) -> Any:
     return torch.empty_like(logits).scatter_(-1, order, ordered.masked_fill(drop, float("-inf")))
 
 
-def load_engine(model_dir: Path, kind: str, **vllm_kw: Any) -> Engine:
+def load_engine(model_dir: Path, kind: str, *, dtype: Dtype = "fp32", **vllm_kw: Any) -> Engine:
+    """`dtype`: resolved already (services.common.dtype.resolve_dtype), bf16 or fp32."""
     if kind == "hf":
-        return HFEngine(model_dir)
+        return HFEngine(model_dir, dtype=dtype)
     from rollout.vllm_engine import VllmEngine
 
-    return VllmEngine(model_dir, **vllm_kw)
+    return VllmEngine(model_dir, dtype=dtype, **vllm_kw)

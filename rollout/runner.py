@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from rollout.engine import load_engine
 from rollout.metrics import RolloutMetrics
@@ -17,9 +18,19 @@ from rollout.reward_client import RewardClient
 from rollout.settings import RolloutSettings
 from rollout.weight_receiver import WeightReceiver
 from rollout.worker import Worker
+from services.common.dtype import resolve_dtype
+from services.common.placement import place
 from services.common.process import ServiceProcess
 
 log = logging.getLogger(__name__)
+
+
+def engine_placement(s: RolloutSettings) -> dict[str, Any]:
+    """vLLM binds its OpenMP pool itself (VLLM_CPU_OMP_THREADS_BIND); the HF engine is torch in this process."""
+    if s.engine == "hf":
+        place(s.cpu_cores, None, log)
+        return {}
+    return {"kv_cache_gib": s.vllm_kv_cache_gib, "eager": s.vllm_eager, "cpu_cores": s.cpu_cores}
 
 
 def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
@@ -31,7 +42,7 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
     with ServiceProcess("rollout", s, loading="loading the engine") as proc:
         try:
             metrics = RolloutMetrics(proc.registry)
-            engine = load_engine(s.model_dir, s.engine, kv_cache_gib=s.vllm_kv_cache_gib, eager=s.vllm_eager)
+            engine = load_engine(s.model_dir, s.engine, dtype=resolve_dtype(s.dtype, log), **engine_placement(s))
             receiver = WeightReceiver(s, proc.client, metrics) if s.sync_broadcast else None
             worker = Worker(s, proc.client, engine, reward, metrics, receiver)
             proc.ready_when(lambda: (worker.state == "ready", worker.state))

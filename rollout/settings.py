@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 
+from services.common.dtype import DtypeChoice
 from services.common.settings import RedisSettings, ServiceSettings
 
 
@@ -52,5 +53,11 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     eval_k: int = Field(4, ge=1, description="Samples per held-out prompt (avg@k, pass@k).")
     eval_seed: int = Field(1234, description="Sampling seed of the evaluation (same seed: same samples).")
     eval_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the evaluation (DAPO's paper: 0.7).")
+    dtype: DtypeChoice = Field(
+        "auto", description="Engine dtype: bf16 where the hardware has it (auto), or fp32 (services/common/dtype.py)."
+    )
+    cpu_cores: str | None = Field(
+        None, description="Cores of the engine's threads, e.g. '1' or '0-1' (vLLM: VLLM_CPU_OMP_THREADS_BIND)."
+    )
     vllm_kv_cache_gib: int = Field(2, ge=1, description="vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     vllm_eager: bool = Field(True, description="vLLM: no graph compilation (start in ~16 s instead of ~80 s).")

@@ -18,25 +18,38 @@ from pathlib import Path
 from typing import Any
 
 from rollout.engine import Completion, SamplingParams, counts
+from services.common.dtype import Dtype
 
 log = logging.getLogger(__name__)
 
 
 class VllmEngine:
-    def __init__(self, model_dir: Path, *, kv_cache_gib: int = 2, eager: bool = True, max_model_len: int | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        kv_cache_gib: int = 2,
+        eager: bool = True,
+        max_model_len: int | None = None,
+        dtype: Dtype = "fp32",
+        cpu_cores: str | None = None,
+    ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         # the engine in this process: weight reloads call into the model directly, nothing is pickled
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if (n := os.cpu_count() or 1) > 1:
+        if cpu_cores:  # the OpenMP pool on these cores only (placement beside a learner: services/common/placement.py)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
+        elif (n := os.cpu_count() or 1) > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+        self.dtype = dtype
         from vllm import LLM
 
         kwargs: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
         # processed: the log-probs of the distribution sampled from (after the temperature), as the learner
         # recomputes them with the temperature each Sample carries; greedy requests get the model's own
         self.llm = LLM(
-            model=str(model_dir), dtype="float32", enforce_eager=eager, seed=0, max_logprobs=1,
-            enable_prefix_caching=True, logprobs_mode="processed_logprobs", **kwargs,
+            model=str(model_dir), dtype="bfloat16" if dtype == "bf16" else "float32", enforce_eager=eager, seed=0,
+            max_logprobs=1, enable_prefix_caching=True, logprobs_mode="processed_logprobs", **kwargs,
         )  # fmt: skip
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0

@@ -7,20 +7,27 @@ from pathlib import Path
 import pytest
 import torch
 
+from learner.batching import BatchTensors, microbatches, to_tensors
+from learner.loss import token_logprobs_and_entropy
 from learner.settings import LearnerSettings
 from learner.tiny import group, tiny_llama
 from learner.trainer import Trainer
 from services.common.arrays import LogProbs
+from services.common.dtype import resolve_dtype
 from services.common.schemas import TrainBatch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 2])
-def test_positive_advantage_tokens_gain_probability(tmp_path: Path, stage: int) -> None:
+@pytest.mark.parametrize(("stage", "dtype"), [(0, "fp32"), (0, "bf16"), (2, "bf16")])
+def test_positive_advantage_tokens_gain_probability(tmp_path: Path, stage: int, dtype: str) -> None:
     model_dir = tiny_llama(tmp_path / "model")
     s = LearnerSettings(model_dir=model_dir, run_dir=tmp_path / "run", zero_stage=stage, lr=1e-3, warmup_batches=0,
-                        minibatches=2, micro_batch_size=2)  # fmt: skip
+                        minibatches=2, micro_batch_size=2, dtype=dtype)  # fmt: skip
     trainer = Trainer(s)
+    assert trainer.dtype == resolve_dtype(s.dtype)  # bf16 where this machine has it, and then in bf16 weights
+    assert next(trainer.engine.module.parameters()).dtype == (
+        torch.bfloat16 if trainer.dtype == "bf16" else torch.float32
+    )
     fixed = TrainBatch.assemble(0, [group(1, [1.0, -1.0, 1.0, -1.0]), group(2, [-1.0, 1.0, 0.0, 0.0])])
     before = trainer.sequence_logprob(fixed)
     metrics = [trainer.train(fixed) for _ in range(3)]
@@ -111,7 +118,7 @@ def test_the_learner_scores_at_each_sample_s_temperature(tmp_path: Path) -> None
     update (no gap), for one temperature and for a batch that mixes two; a sample that misstates its temperature
     shows the gap."""
     s = LearnerSettings(model_dir=tiny_llama(tmp_path / "model"), run_dir=tmp_path / "run", lr=1e-3, warmup_batches=0,
-                        minibatches=1, micro_batch_size=4)  # fmt: skip
+                        minibatches=1, micro_batch_size=4, dtype="fp32")  # fmt: skip
     trainer = Trainer(s)
     base = TrainBatch.assemble(0, [group(1, [1.0, -1.0, 1.0, -1.0]), group(2, [-1.0, 1.0, 1.0, -1.0])])
     for temps in ([0.7, 0.7], [0.7, 1.0]):
@@ -120,3 +127,63 @@ def test_the_learner_scores_at_each_sample_s_temperature(tmp_path: Path) -> None
         assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     wrong = trainer.train(sampled_at(trainer, base, [0.7, 0.7], claim=[1.0, 1.0]))
     assert wrong["logp_gap_mean"] > 0.05  # what every T != 1 batch looked like before
+
+
+class OldPathTrainer(Trainer):
+    """The learner as it was before the speed work: log-probs from the model's full [B, T, V] logits, micro-batches
+    of a fixed count of rows in shuffled order, padded to the longest."""
+
+    def micro(self, idx: torch.Tensor, t: BatchTensors) -> list[torch.Tensor]:
+        return list(microbatches(idx, self.s.micro_batch_size))
+
+    def _logprobs(self, part: BatchTensors, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids = part.input_ids.to(self.device)
+        logits = self.engine(input_ids=ids, attention_mask=part.attention_mask.to(self.device)).logits
+        return token_logprobs_and_entropy(logits / part.temperature.view(-1, 1, 1), ids, with_entropy=with_entropy)
+
+
+@pytest.mark.slow
+def test_fp32_token_budget_and_chunks_reproduce_the_old_update(tmp_path: Path) -> None:
+    """--dtype fp32 with token-budget micro-batches and chunked log-probs gives the loss, the metrics and the
+    weights of the old path (full logits, 3 rows per micro-batch) within float rounding, over two batches of
+    samples of different lengths at two temperatures."""
+    model_dir = tiny_llama(tmp_path / "model")
+    common = dict(model_dir=model_dir, lr=1e-3, warmup_batches=0, minibatches=2, dtype="fp32", off_policy="token-tis")
+    new = Trainer(LearnerSettings(run_dir=tmp_path / "a", micro_batch_tokens=40, logprob_chunk=7, **common))  # type: ignore[arg-type]
+    old = OldPathTrainer(LearnerSettings(run_dir=tmp_path / "b", micro_batch_tokens=0, micro_batch_size=3, **common))  # type: ignore[arg-type]
+    groups = [group(i, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], prompt_len=4 + 3 * i, resp_len=6 + 5 * i) for i in range(3)]
+    temps = [1.0, 0.7, 1.0]
+    groups = [g.model_copy(update={"samples": [x.model_copy(update={"temperature": tp}) for x in g.samples]})
+              for g, tp in zip(groups, temps, strict=True)]  # fmt: skip
+    batch = TrainBatch.assemble(0, groups)
+    assert len(new.micro(torch.arange(18), to_tensors(batch, new.pad_id))) > 3  # the budget really splits it
+    grads_new, grads_old = capture_grads(new), capture_grads(old)
+    for _ in range(2):
+        m_new, m_old = new.train(batch), old.train(batch)
+        for key in ("loss", "clip_frac_upper", "clip_frac_lower", "approx_kl", "entropy", "grad_norm", "logp_gap_mean"):
+            assert m_new[key] == pytest.approx(m_old[key], rel=1e-4, abs=1e-6), key
+    assert len(grads_new) == len(grads_old) == 4  # 2 batches x 2 mini-batches
+    for step_new, step_old in zip(grads_new, grads_old, strict=True):
+        for a, b in zip(step_new, step_old, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    start = Trainer(LearnerSettings(run_dir=tmp_path / "c", **common))  # type: ignore[arg-type]
+    moved = 0.0
+    for a, b, w0 in zip(new.engine.module.parameters(), old.engine.module.parameters(),
+                        start.engine.module.parameters(), strict=True):  # fmt: skip
+        # AdamW divides by sqrt(v): a coordinate whose gradient is ~0 turns rounding into up to ~1% of a step
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        moved += float((a - w0).abs().sum())
+    assert moved > 1e-2  # the weights did move: equal because the updates are, not because nothing happened
+
+
+def capture_grads(trainer: Trainer) -> list[list[torch.Tensor]]:
+    """The gradients each optimizer step is about to apply (fp32, ZeRO 0: in p.grad)."""
+    seen: list[list[torch.Tensor]] = []
+    step = trainer.engine.step
+
+    def spy(*a: object, **kw: object) -> object:
+        seen.append([p.grad.detach().clone() for p in trainer.engine.module.parameters() if p.grad is not None])
+        return step(*a, **kw)
+
+    trainer.engine.step = spy  # type: ignore[method-assign]
+    return seen

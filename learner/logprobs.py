@@ -1,0 +1,113 @@
+"""Per-token log-probs and entropies from the hidden states, the lm_head applied a chunk of positions at a time.
+
+    logp, ent = chunked_logprobs(hidden, head, ids, temperature, chunk=1024)   # hidden [B, T, H] -> [B, T]
+
+No [B, T, V] tensor is ever made (vocabulary 49,152: a 32 x 128-token micro-batch would hold 800 MB of fp32
+logits): each chunk of positions gets its logits (in the model's dtype), upcast to fp32, its log-softmax, the
+picked token's log-prob and the entropy, and is freed. The backward pass recomputes each chunk's logits from the
+saved hidden states (one more lm_head matmul per token) instead of keeping them: memory grows with the chunk, not
+the batch. Values and gradients equal those of the unchunked `loss.token_logprobs_and_entropy` on the full logits.
+
+Alignment as in loss.token_logprobs: out[b, t] is the log-prob of ids[b, t] given ids[b, :t]; column 0 is 0. The
+logits are divided by each row's sampling temperature (the distribution the rollout sampled from). The entropy
+carries no gradient (it is a metric).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+DEFAULT_CHUNK = 1024  # positions per chunk: 1024 x 49,152 fp32 logits = 200 MB at most at any time
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    ids: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [B, T, H] (the final norm applied), head: the lm_head (a Linear, bias or not), ids [B, T],
+    temperature [B] or None -> (log-probs [B, T] fp32, entropies [B, T] fp32 or None)."""
+    b, t, h = hidden.shape
+    x = hidden[:, :-1].reshape(-1, h)  # position t predicts token t+1
+    targets = ids[:, 1:].reshape(-1)
+    temp = (
+        torch.ones(b, t - 1, device=hidden.device)
+        if temperature is None
+        else temperature.to(hidden.device, torch.float32).view(-1, 1).expand(b, t - 1)
+    ).reshape(-1)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    logp, ent = _ChunkedLogprob.apply(x, weight, bias, targets, temp, chunk, with_entropy)
+    pad = torch.nn.functional.pad
+    return pad(logp.view(b, t - 1), (1, 0)), None if ent is None else pad(ent.view(b, t - 1), (1, 0))
+
+
+def _logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temp: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of one chunk, at its temperature (the matmul in the model's dtype: bf16 on bf16 weights)."""
+    z = torch.nn.functional.linear(x, weight, bias).float()
+    return z / temp.unsqueeze(-1)
+
+
+class _ChunkedLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temp: torch.Tensor,
+        chunk: int,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+        lse_all = torch.empty_like(out)
+        ent_out = torch.empty_like(out) if with_entropy else None
+        for s in range(0, x.shape[0], chunk):
+            e = s + chunk
+            z = _logits(x[s:e], weight, bias, temp[s:e])
+            lse = torch.logsumexp(z, dim=-1)
+            out[s:e] = z.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1) - lse
+            lse_all[s:e] = lse
+            if ent_out is not None:  # H = lse - sum(softmax * z)
+                ent_out[s:e] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(x, weight, bias, targets, temp, lse_all)
+        ctx.chunk = chunk
+        if ent_out is not None:
+            ctx.mark_non_differentiable(ent_out)
+        return out, ent_out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _grad_ent: Any = None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight, bias, targets, temp, lse_all = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        gx = torch.zeros_like(x) if need_x else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        for s in range(0, x.shape[0], ctx.chunk):
+            e = s + ctx.chunk
+            z = _logits(x[s:e], weight, bias, temp[s:e])
+            # d logp / d z = onehot(target) - softmax(z); the temperature divides z, so it divides the gradient too
+            gz = -torch.exp(z - lse_all[s:e].unsqueeze(-1))
+            gz.scatter_add_(-1, targets[s:e].unsqueeze(-1), torch.ones_like(gz[:, :1]))
+            gz *= (grad[s:e] / temp[s:e]).unsqueeze(-1)
+            if gx is not None:
+                gx[s:e] = (gz.to(weight.dtype) @ weight).to(x.dtype)
+            if gw is not None:  # the matmul in the model's dtype, accumulated in fp32 over the chunks
+                gw += (gz.to(weight.dtype).t() @ x[s:e].to(weight.dtype)).float()
+            if gb is not None:
+                gb += gz.sum(0)
+        return (
+            gx,
+            None if gw is None else gw.to(weight.dtype),
+            None if gb is None else gb.to(weight.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
