@@ -1,49 +1,91 @@
-"""Learner: seconds per TrainBatch through our DeepSpeed trainer vs raw torch on the same tokens.
+"""Learner: seconds per TrainBatch through our DeepSpeed trainer vs raw torch on the same tokens, and its model-FLOP
+utilisation against the GEMM rate this machine reaches in the same run, in bf16 and in fp32.
 
-Ours: `Trainer.train` (old log-probs pass, advantages, DAPO loss, DeepSpeed ZeRO-0 AdamW steps).
-Limit: a plain torch loop over the same micro-batches: forward, token log-probs, a masked mean
-loss, backward, `torch.optim.AdamW` step per mini-batch. Same model, same tokens, same run.
-Run: `python -m bench.learner [--model DIR]` (default: a random Llama with SmolLM2's vocabulary).
+Ours: `Trainer.train` (old log-probs pass, advantages, DAPO loss, token-budget micro-batches, chunked log-probs,
+DeepSpeed AdamW steps with fp32 master weights in bf16). Limit: a plain torch loop in the same dtype over the same
+micro-batches: one no-grad forward (the old log-probs), then forward, full-logits log-probs, a masked-mean loss,
+backward and a `torch.optim.AdamW` step per mini-batch, the weights themselves in that dtype (no master copy).
+MFU: model FLOPs of a step (6·N per trained token + 2·N per old-log-prob token, N the matmul parameters) ÷ seconds ÷
+the rate of a 2048x576 @ 576x1536 matmul in the same dtype on the same threads.
+The model: SmolLM2-135M's shapes (30 layers, hidden 576, vocab 49,152) with random weights (speed does not depend
+on the values), or `--model DIR`. The batch: 4 groups x 8 samples, 40-token prompts, responses of 6-96 tokens
+(mean ~30), as the learning run's.
+Run: `python -m bench.learner [--model DIR] [--dtype bf16 fp32]`.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import random
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from bench.common import Result, print_table
 
-GROUPS, G, PROMPT, RESPONSE, MINIBATCHES, MICRO = 4, 4, 32, 96, 4, 4
+GROUPS, G, PROMPT, MINIBATCHES = 4, 8, 40, 2
+GEMM = (2048, 576, 1536)
 
 
-def _batch():  # type: ignore[no-untyped-def]
-    from learner.tiny import group
-    from services.common.schemas import TrainBatch
+def gemm_rate(dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """FLOP/s of the GEMM above on this process's threads (best of a few timed rounds)."""
+    m, k, n = GEMM
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    a @ b
+    best = 0.0
+    for _ in range(3):
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 3:
+            a @ b
+            reps += 1
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
+    return best
 
-    rewards = [1.0, -1.0, 1.0, -1.0]
-    return TrainBatch.assemble(0, [group(i, rewards, prompt_len=PROMPT, resp_len=RESPONSE) for i in range(GROUPS)])
+
+def smollm2_shaped(path: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                      max_position_embeddings=2048, pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
 
 
-def _raw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, t, minibatches, old_pass: bool = False) -> None:  # type: ignore[no-untyped-def]
-    from learner.batching import microbatches
+def batch(vocab: int):  # type: ignore[no-untyped-def]
+    from services.common.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
+
+    rng = random.Random(0)
+    groups = []
+    for gi in range(GROUPS):
+        task = PromptTask(task_id=f"b{gi}", prompt_id=f"b{gi}", prompt_token_ids=[rng.randrange(3, vocab)
+                          for _ in range(PROMPT)], ground_truth="1", verifier="dapo_math", data_source="bench",
+                          n_samples=G)  # fmt: skip
+        samples, scores = [], []
+        for j in range(G):
+            n = min(96, max(6, int(rng.expovariate(1 / 30))))
+            samples.append(Sample(response_token_ids=[rng.randrange(3, vocab) for _ in range(n)], response_text="x",
+                                  logprobs=[-2.0] * n, finish_reason="stop", policy_version=0))  # fmt: skip
+            scores.append(Score(reward=1.0 if j % 2 else -1.0, acc=j % 2 == 1))
+        groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id="bench"))
+    return TrainBatch.assemble(0, groups)
+
+
+def _raw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, t, minibatches, micro) -> None:  # type: ignore[no-untyped-def]
     from learner.loss import token_logprobs
 
-    if old_pass:  # what the algorithm itself adds: one no-grad forward for the old log-probs
-        with torch.no_grad():
-            for idx in microbatches(torch.arange(len(t)), MICRO):
-                part = t.select(idx)
-                token_logprobs(
-                    model(input_ids=part.input_ids, attention_mask=part.attention_mask).logits, part.input_ids
-                )
-
+    with torch.no_grad():  # the old log-probs: one no-grad forward
+        for idx in micro(torch.arange(len(t))):
+            part = t.select(idx)
+            token_logprobs(model(input_ids=part.input_ids, attention_mask=part.attention_mask).logits, part.input_ids)
     for mb in minibatches:
         tokens = t.response_mask[mb].sum()
-        for idx in microbatches(mb, MICRO):
+        for idx in micro(mb):
             part = t.select(idx)
             logits = model(input_ids=part.input_ids, attention_mask=part.attention_mask).logits
             loss = -(token_logprobs(logits, part.input_ids) * part.response_mask).sum() / tokens
@@ -53,44 +95,60 @@ def _raw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, t, minibatches
         opt.zero_grad(set_to_none=True)
 
 
-def run(model_dir: Path | None = None, repeats: int = 3) -> list[Result]:
+def matmul_params(model: torch.nn.Module) -> int:
+    """N of the 6·N rule: every weight used in a matmul (a tied embedding counted once, as the lm_head)."""
+    total = sum(p.numel() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total if emb is head else total - emb.numel()
+
+
+def run(model_dir: Path | None = None, dtypes: tuple[str, ...] = ("bf16", "fp32"), repeats: int = 2) -> list[Result]:
     from learner.batching import minibatches, to_tensors
     from learner.settings import LearnerSettings
     from learner.trainer import Trainer
 
-    if model_dir is None:
-        from learner.tiny import tiny_llama
-
-        model_dir = tiny_llama(Path(tempfile.mkdtemp(prefix="dapo-bench-")) / "m", layers=4, hidden=256, vocab=49152)
-    s = LearnerSettings(model_dir=model_dir, minibatches=MINIBATCHES, micro_batch_size=MICRO, warmup_batches=0)
-    trainer = Trainer(s)
-    raw_model = copy.deepcopy(trainer.engine.module)
-    raw_opt = torch.optim.AdamW(raw_model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
-    batch = _batch()
-    t = to_tensors(batch, trainer.pad_id)
-    trainer.train(batch), _raw_step(raw_model, raw_opt, t, minibatches(len(t), MINIBATCHES))  # warm-up
-    ours, raw, raw_old = [], [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        trainer.train(batch)
-        ours.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        _raw_step(raw_model, raw_opt, t, minibatches(len(t), MINIBATCHES))
-        raw.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        _raw_step(raw_model, raw_opt, t, minibatches(len(t), MINIBATCHES), old_pass=True)
-        raw_old.append(time.perf_counter() - t0)
-    what = f"s/batch, {GROUPS * G} samples x {PROMPT}+{RESPONSE} tok, {MINIBATCHES} steps"
-    return [
-        Result("learner", what, min(ours), min(raw), "s", "raw torch fwd+bwd+AdamW, same micro-batches", "≤ 1.15"),
-        Result("learner", what, min(ours), min(raw_old), "s", "the same + one no-grad fwd (old log-probs)", "≤ 1.15"),
-    ]
+    model_dir = model_dir or smollm2_shaped(Path(tempfile.mkdtemp(prefix="dapo-bench-")) / "m")
+    results = []
+    for dtype in dtypes:
+        s = LearnerSettings(model_dir=model_dir, minibatches=MINIBATCHES, warmup_batches=0, dtype=dtype)  # type: ignore[arg-type]
+        trainer = Trainer(s)
+        if trainer.dtype != dtype:
+            print(f"bench.learner: {dtype} is not supported here, skipped")
+            continue
+        tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        raw_model = copy.deepcopy(trainer.engine.module).to(tdt)
+        raw_opt = torch.optim.AdamW(raw_model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+        b = batch(trainer.engine.module.config.vocab_size)
+        t = to_tensors(b, trainer.pad_id)
+        micro = partial(trainer.micro, t=t)  # the same micro-batches as ours
+        trainer.train(b), _raw_step(raw_model, raw_opt, t, minibatches(len(t), MINIBATCHES), micro)  # warm-up
+        ours, raw = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            trainer.train(b)
+            ours.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            _raw_step(raw_model, raw_opt, t, minibatches(len(t), MINIBATCHES), micro)
+            raw.append(time.perf_counter() - t0)
+        tokens = int(t.attention_mask.sum())
+        flops = 8 * matmul_params(trainer.engine.module) * tokens  # 6·N·tokens trained + 2·N·tokens old log-probs
+        rate = gemm_rate(tdt)
+        what = f"{dtype}, {len(t)} samples, {tokens} tokens, {MINIBATCHES} steps, {torch.get_num_threads()} threads"
+        results += [
+            Result("learner", f"s/batch, {what}", min(ours), min(raw), "s",
+                   "raw torch, same dtype: old-logp fwd + fwd/bwd + AdamW, same micro-batches", "≤ 1.15"),
+            Result("learner", f"model FLOP/s, {what}", flops / min(ours), rate, "FLOP/s",
+                   f"{dtype} GEMM {GEMM[0]}x{GEMM[1]} @ {GEMM[1]}x{GEMM[2]} (MFU)", "≥ 0.40"),
+        ]  # fmt: skip
+    return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", type=Path, default=None)
-    print_table(run(ap.parse_args().model))
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    args = ap.parse_args()
+    print_table(run(args.model, tuple(args.dtype)))
 
 
 if __name__ == "__main__":

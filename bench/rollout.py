@@ -80,12 +80,84 @@ def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result
     return [Result("rollout", what, max(ours), max(raw), "tokens/s", "raw engine.generate, same prompts", "≥ 0.9")]
 
 
+DTYPE_SCRIPT = """
+import json, sys, time
+if __name__ == "__main__":
+    from rollout.vllm_engine import VllmEngine
+    from rollout.engine import SamplingParams, encode_prompt
+    e = VllmEngine(sys.argv[1], kv_cache_gib=2, max_model_len=1024, dtype=sys.argv[2])
+    ask = "What is {} + {}? Reply with 'Answer: <number>'."
+    prompts = [encode_prompt(e.tokenizer, ask.format(i, 3 * i + 1)) for i in range(32)]
+    e.generate(prompts[:4], 2, SamplingParams(max_tokens=16, seed=1))  # warm-up
+    rates, outs = [], None
+    for r in range(2):
+        t0 = time.perf_counter()
+        outs = e.generate(prompts, 8, SamplingParams(max_tokens=96, seed=r))
+        rates.append(sum(len(c.token_ids) for o in outs for c in o) / (time.perf_counter() - t0))
+    samples = [{"prompt": p, "tokens": c.token_ids, "logprobs": c.logprobs}
+               for p, o in zip(prompts, outs) for c in o[:2]]
+    print("RESULT " + json.dumps({"tokens_per_s": max(rates), "samples": samples}))
+"""
+
+
+def dtype_rows(model_dir: Path | None = None) -> list[Result]:
+    """vLLM bf16 vs fp32 tokens/s on SmolLM2-135M (32 prompts x 8 samples, <= 96 tokens), and the gap between the
+    replica's behaviour log-probs and the learner's (chunked, eager attention) in each dtype, per token."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from learner.logprobs import chunked_logprobs
+    from services.common.dtype import resolve_dtype, torch_dtype
+    from services.common.models import prepare_smollm2
+    from services.mesh.layout import RunLayout
+
+    if resolve_dtype("auto") != "bf16":
+        print("bench.rollout: no bf16 on this machine; the dtype rows are skipped")
+        return []
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_dir or prepare_smollm2(RunLayout(Path(".dapo")).smollm2)
+    tmp = Path(tempfile.mkdtemp(prefix="dapo-bench-"))
+    (tmp / "gen.py").write_text(DTYPE_SCRIPT)
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "VLLM_CACHE_ROOT": str(tmp / "v")}
+    rate, gap = {}, {}
+    for dtype in ("fp32", "bf16"):
+        r = subprocess.run([sys.executable, str(tmp / "gen.py"), str(model_dir), dtype], env=env, capture_output=True,
+                           text=True, timeout=900)  # fmt: skip
+        if r.returncode:
+            raise RuntimeError(f"vLLM {dtype}: {r.stderr[-2000:]}")
+        data = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
+        rate[dtype] = data["tokens_per_s"]
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype), attn_implementation="eager")
+        diffs = []
+        with torch.no_grad():
+            for smp in data["samples"]:
+                ids = torch.tensor([smp["prompt"] + smp["tokens"]])
+                hidden = model.get_decoder()(input_ids=ids)[0]
+                lp, _ = chunked_logprobs(hidden, model.get_output_embeddings(), ids)
+                diffs += (lp[0, len(smp["prompt"]) :] - torch.tensor(smp["logprobs"])).abs().tolist()
+        d = torch.tensor(diffs)
+        gap[dtype] = (float(d.mean()), float(d.quantile(0.99)), len(diffs))
+    what = "vllm SmolLM2-135M, 32 prompts x 8 samples, <= 96 tokens"
+    rows = [
+        Result("rollout", f"{what}, bf16", rate["bf16"], rate["fp32"], "tokens/s", "the same engine in fp32", "≥ 1")
+    ]
+    for dtype, (mean, p99, n) in gap.items():
+        rows.append(Result("rollout", f"|Δ log p| replica vs learner, {dtype}, mean ({n} tokens)", mean, p99,
+                           "nats", "p99 of the same", "—"))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--dtypes", action="store_true", help="Only the bf16 vs fp32 rows, on SmolLM2-135M.")
     args = ap.parse_args()
-    print_table(run(args.engine, args.model))
+    print_table(dtype_rows() if args.dtypes else run(args.engine, args.model) + dtype_rows())
 
 
 if __name__ == "__main__":

@@ -30,27 +30,38 @@ def chunked_logprobs(
     *,
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = False,
+    only: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [B, T, H] (the final norm applied), head: the lm_head (a Linear, bias or not), ids [B, T],
-    temperature [B] or None -> (log-probs [B, T] fp32, entropies [B, T] fp32 or None)."""
+    temperature [B] or None -> (log-probs [B, T] fp32, entropies [B, T] fp32 or None).
+
+    `only` [B, T]: the positions whose log-probs are wanted (the response tokens of the loss); the others are 0 and
+    cost nothing. A prompt is ~60% of a row in the learning run, and the vocabulary-wide work (49,152 fp32 values
+    per position: upcast, logsumexp, softmax) is the most of the lm_head's cost on a CPU."""
     b, t, h = hidden.shape
     x = hidden[:, :-1].reshape(-1, h)  # position t predicts token t+1
     targets = ids[:, 1:].reshape(-1)
-    temp = (
-        torch.ones(b, t - 1, device=hidden.device)
-        if temperature is None
-        else temperature.to(hidden.device, torch.float32).view(-1, 1).expand(b, t - 1)
-    ).reshape(-1)
+    temp = None if temperature is None or bool((temperature == 1).all()) else temperature
+    temp = None if temp is None else temp.to(hidden.device, torch.float32).view(-1, 1).expand(b, t - 1).reshape(-1)
+    rows = None if only is None else only[:, 1:].reshape(-1).to(hidden.device).nonzero().squeeze(-1)
+    if rows is not None:
+        x, targets, temp = x.index_select(0, rows), targets[rows], None if temp is None else temp[rows]
     weight, bias = head.weight, getattr(head, "bias", None)
     logp, ent = _ChunkedLogprob.apply(x, weight, bias, targets, temp, chunk, with_entropy)
+    if rows is not None:
+        full = torch.zeros(b * (t - 1), device=x.device)
+        logp = full.index_copy(0, rows, logp)
+        ent = None if ent is None else full.index_copy(0, rows, ent)
     pad = torch.nn.functional.pad
     return pad(logp.view(b, t - 1), (1, 0)), None if ent is None else pad(ent.view(b, t - 1), (1, 0))
 
 
-def _logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temp: torch.Tensor) -> torch.Tensor:
+def _logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temp: torch.Tensor | None
+) -> torch.Tensor:
     """fp32 logits of one chunk, at its temperature (the matmul in the model's dtype: bf16 on bf16 weights)."""
     z = torch.nn.functional.linear(x, weight, bias).float()
-    return z / temp.unsqueeze(-1)
+    return z if temp is None else z.div_(temp.unsqueeze(-1))
 
 
 class _ChunkedLogprob(torch.autograd.Function):
@@ -61,22 +72,20 @@ class _ChunkedLogprob(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         targets: torch.Tensor,
-        temp: torch.Tensor,
+        temp: torch.Tensor | None,
         chunk: int,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
-        lse_all = torch.empty_like(out)
         ent_out = torch.empty_like(out) if with_entropy else None
         for s in range(0, x.shape[0], chunk):
             e = s + chunk
-            z = _logits(x[s:e], weight, bias, temp[s:e])
+            z = _logits(x[s:e], weight, bias, None if temp is None else temp[s:e])
             lse = torch.logsumexp(z, dim=-1)
             out[s:e] = z.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1) - lse
-            lse_all[s:e] = lse
             if ent_out is not None:  # H = lse - sum(softmax * z)
                 ent_out[s:e] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-        ctx.save_for_backward(x, weight, bias, targets, temp, lse_all)
+        ctx.save_for_backward(x, weight, bias, targets, temp)
         ctx.chunk = chunk
         if ent_out is not None:
             ctx.mark_non_differentiable(ent_out)
@@ -84,18 +93,18 @@ class _ChunkedLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _grad_ent: Any = None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, weight, bias, targets, temp, lse_all = ctx.saved_tensors
+        x, weight, bias, targets, temp = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = torch.zeros_like(x) if need_x else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         for s in range(0, x.shape[0], ctx.chunk):
             e = s + ctx.chunk
-            z = _logits(x[s:e], weight, bias, temp[s:e])
+            z = _logits(x[s:e], weight, bias, None if temp is None else temp[s:e])
             # d logp / d z = onehot(target) - softmax(z); the temperature divides z, so it divides the gradient too
-            gz = -torch.exp(z - lse_all[s:e].unsqueeze(-1))
-            gz.scatter_add_(-1, targets[s:e].unsqueeze(-1), torch.ones_like(gz[:, :1]))
-            gz *= (grad[s:e] / temp[s:e]).unsqueeze(-1)
+            scale = grad[s:e] if temp is None else grad[s:e] / temp[s:e]
+            gz = torch.softmax(z, dim=-1).mul_(-scale.unsqueeze(-1))
+            gz.scatter_add_(-1, targets[s:e].unsqueeze(-1), scale.unsqueeze(-1))
             if gx is not None:
                 gx[s:e] = (gz.to(weight.dtype) @ weight).to(x.dtype)
             if gw is not None:  # the matmul in the model's dtype, accumulated in fp32 over the chunks

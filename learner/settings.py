@@ -34,7 +34,7 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip (DAPO: 1.0).")
     minibatches: int = Field(16, ge=1, description="Optimizer steps per TrainBatch (DAPO: 16).")
     micro_batch_tokens: int = Field(
-        4096,
+        1024,
         ge=0,
         description="Token budget of one forward/backward: samples sorted by length, packed while rows x longest "
         "<= budget (0: fixed --micro-batch-size rows, in shuffled order).",
@@ -42,6 +42,11 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     micro_batch_size: int = Field(64, ge=1, description="Samples per forward/backward at most.")
     logprob_chunk: int = Field(
         1024, ge=1, description="Positions per chunk of lm_head + log-softmax (memory grows with it, not the batch)."
+    )
+    attention: Literal["eager", "sdpa"] = Field(
+        "eager",
+        description="transformers attention kernel. eager: measured 1.7x faster per bf16 fwd+bwd than sdpa (flash "
+        "attention for CPU) on SmolLM2's shapes at 100-token rows on these CPUs; sdpa for long sequences on GPUs.",
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (unset: OMP_NUM_THREADS or torch's).")
     cpu_cores: str | None = Field(

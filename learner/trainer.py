@@ -58,7 +58,9 @@ class Trainer:
         self.dtype = resolve_dtype(settings.dtype, log)
         init_distributed(settings.dist_port)
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                settings.model_dir, dtype=torch.float32, attn_implementation=settings.attention
+            )
         config = getattr(model, "config", None)
         pad = getattr(config, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else getattr(config, "eos_token_id", None) or 0)
@@ -104,13 +106,15 @@ class Trainer:
 
     @torch.no_grad()
     def logprobs(self, t: BatchTensors, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-        """Per-token log-probs of every row under the current weights ([N, T], aligned with input_ids),
-        and the mean entropy over `mask` (the policy's entropy before this batch's updates)."""
+        """Per-token log-probs of every row under the current weights ([N, T], aligned with input_ids; at the
+        positions of `mask`, or of the responses, and 0 elsewhere), and the mean entropy over `mask` (the policy's
+        entropy before this batch's updates)."""
         out = torch.zeros_like(t.behaviour_logp)
         ent_sum, ent_n = 0.0, 0.0
+        wanted = t.response_mask if mask is None else mask
         for idx in self.micro(torch.arange(len(t)), t):
             part = t.select(idx)
-            logp, ent = self._logprobs(part, with_entropy=mask is not None)
+            logp, ent = self._logprobs(part, wanted[idx, : part.input_ids.shape[1]], with_entropy=mask is not None)
             out[idx, : logp.shape[1]] = logp.cpu()
             if ent is not None and mask is not None:
                 m = mask[idx, : logp.shape[1]].to(self.device)
@@ -118,15 +122,17 @@ class Trainer:
                 ent_n += float(m.sum())
         return out, ent_sum / max(ent_n, 1.0)
 
-    def _logprobs(self, part: BatchTensors, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """fp32 per-token log-probs (and entropies) of `part` at each sample's own sampling temperature: pi_prox,
-        pi_theta and the entropy are those of the distribution the rollout sampled from, as its behaviour
-        log-probs are. The decoder's hidden states, then the lm_head a chunk of positions at a time."""
+    def _logprobs(
+        self, part: BatchTensors, only: torch.Tensor, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 per-token log-probs (and entropies) of `part` at the positions of `only`, at each sample's own
+        sampling temperature: pi_prox, pi_theta and the entropy are those of the distribution the rollout sampled
+        from, as its behaviour log-probs are. The decoder's hidden states, then the lm_head a chunk at a time."""
         module = self.engine.module
         ids = part.input_ids.to(self.device)
         hidden = module.get_decoder()(input_ids=ids, attention_mask=part.attention_mask.to(self.device))[0]
         return chunked_logprobs(hidden, module.get_output_embeddings(), ids, part.temperature,
-                                chunk=self.s.logprob_chunk, with_entropy=with_entropy)  # fmt: skip
+                                chunk=self.s.logprob_chunk, with_entropy=with_entropy, only=only)  # fmt: skip
 
     def prepare(self, batch: TrainBatch, version: int | None = None) -> BatchTensors:
         """Tensors, advantages, the proximal log-probs, the off-policy weights; the behaviour/proximal gap in
@@ -205,7 +211,7 @@ class Trainer:
         self, part: BatchTensors, tokens: float, seqs: int, norm_len: int
     ) -> tuple[dict[str, float], float]:
         assert part.old_logp is not None and part.advantages is not None and part.loss_mask is not None
-        logp = self._logprobs(part)[0]
+        logp = self._logprobs(part, part.loss_mask)[0]
         dev = self.device
         loss, m = policy_loss(
             logp, part.old_logp.to(dev), part.advantages.to(dev), part.loss_mask.to(dev),

@@ -30,6 +30,7 @@ app = typer.Typer(help="DAPO as an asynchronous actor-learner service mesh.", no
 console = Console()
 
 RUN_DIR = Path(".dapo")
+DTYPES = ("auto", "bf16", "fp32")
 RedisUrl = Annotated[str | None, typer.Option(envvar="DAPO_REDIS_URL", help="Redis URL; unset: embedded.")]
 
 
@@ -225,6 +226,9 @@ def evaluate(
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="1.0: the training policy; DAPO's paper: 0.7.")] = 1.0,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated at most per sample.")] = 128,
     engine: Annotated[str, typer.Option(help="vllm or hf.")] = "vllm",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 where the hardware has it), bf16 or fp32, as replicas.")] = (
+        "auto"
+    ),
     reward_url: Annotated[
         str | None, typer.Option(envvar="DAPO_REWARD_URL", help="The reward server; unset: start one.")
     ] = None,
@@ -249,12 +253,13 @@ def evaluate(
     from rollout.evaluate import evaluate as run_eval
     from rollout.evaluate import load_eval_items
     from rollout.reward_client import RewardClient
+    from services.common.dtype import resolve_dtype
     from services.common.launch import running
     from services.common.models import prepare_smollm2
     from services.mesh.layout import RunLayout
 
-    if engine not in ("vllm", "hf") or template not in ("dapo", "short", "none"):
-        raise typer.BadParameter("--engine is vllm or hf; --template is dapo, short or none")
+    if engine not in ("vllm", "hf") or template not in ("dapo", "short", "none") or dtype not in DTYPES:
+        raise typer.BadParameter("--engine is vllm or hf; --template is dapo, short or none; --dtype auto, bf16, fp32")
     config = json.loads(dataset_config) if dataset_config else None  # None: the buffer's default
     items = load_eval_items(data, size=size, seed=dataset_seed, dataset_size=dataset_size, config=config,
                             template=template)  # type: ignore[arg-type]  # fmt: skip
@@ -266,10 +271,12 @@ def evaluate(
                                                         env=env, token=reward_token))  # fmt: skip
         client = RewardClient(reward_url, token=reward_token)
         stack.callback(client.close)
-        eng = load_engine(model_dir, engine)  # built as a replica builds it: the same seed draws the same samples
+        # built as a replica builds it: the same seed draws the same samples
+        eng = load_engine(model_dir, engine, dtype=resolve_dtype(dtype))  # type: ignore[arg-type]
         report, samples = run_eval(eng, items, client, k=k,
                                    params=SamplingParams(temperature, top_p, max_tokens, seed))  # fmt: skip
     report.settings = {"model": str(model_dir), "data": data, "size": len(items), "seed": seed, "engine": engine,
+                       "dtype": getattr(eng, "dtype", "fp32"),
                        "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}  # fmt: skip
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -305,6 +312,19 @@ def prepare_model(
 
 
 @app.command()
+def curves(run_dir: Annotated[Path, typer.Option(help="The run directory.")] = RUN_DIR) -> None:
+    """Draw RUN_DIR/curves.png from RUN_DIR/metrics.jsonl now (`dapo-mesh up` draws it when the run ends)."""
+    from services.mesh.curves import plot
+    from services.mesh.layout import RunLayout
+
+    paths = RunLayout(run_dir)
+    out = plot(paths.metrics, paths.curves)
+    if out is None:
+        raise typer.BadParameter(f"nothing to draw: {paths.metrics} has no rows yet", param_hint="--run-dir")
+    console.print(f"curves in {out}")
+
+
+@app.command()
 def up(
     redis_url: RedisUrl = None,
     run_dir: Annotated[Path, typer.Option(help="Run directory (Redis AOF, models, logs, checkpoints).")] = RUN_DIR,
@@ -329,6 +349,12 @@ def up(
     seed: Annotated[
         int | None, typer.Option(help="Seed the sampling, shuffles and dispatch (repeatable runs).")
     ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="auto (bf16 where the hardware has it), bf16 or fp32 (default: preset's).")
+    ] = None,
+    placement: Annotated[
+        str | None, typer.Option(help="split (learner and replicas on their own cores) or shared (default: split).")
+    ] = None,
 ) -> None:
     """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
     from pydantic import ValidationError
@@ -344,6 +370,7 @@ def up(
     given |= {} if eval_every is None else {"eval_every": eval_every}
     given |= {} if tiny else {"engine": engine}  # --tiny: the HF engine
     given |= {} if seed is None else {"seed": seed}
+    given |= {k: v for k, v in (("dtype", dtype), ("placement", placement)) if v is not None}
     try:
         preset = (MeshConfig.tiny_preset(run_dir, steps=steps or 3) if tiny
                   else MeshConfig.from_preset(config or DEFAULT_PRESET, run_dir=run_dir))  # fmt: skip

@@ -13,6 +13,7 @@ the replicas that need them.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ def service_commands(
         "buffer": ["--run-dir", str(run.buffer), "--dataset", cfg.dataset, "--n-samples", str(cfg.n_samples),
                    "--batch-size", str(cfg.batch_size)],
         "learner": ["--model-dir", str(model_dir), "--run-dir", str(run.learner), "--max-batches", str(cfg.steps),
-                    "--minibatches", str(cfg.minibatches), "--lr", str(cfg.lr), "--micro-batch-size", "4",
+                    "--minibatches", str(cfg.minibatches), "--lr", str(cfg.lr), "--dtype", cfg.dtype,
                     "--weight-sync", "broadcast" if broadcast else "none", "--sync-port", str(ports[SYNC_PORT]),
                     "--hold-after-max"],
     }  # fmt: skip
@@ -73,7 +74,7 @@ def service_commands(
             "--engine", cfg.engine, "--model-dir", str(model_dir), "--reward-url", f"http://127.0.0.1:{ports['reward']}",
             "--weights-dir", str(run.snapshots), "--replica-id", f"rollout-{i}",
             "--max-response-tokens", str(cfg.max_response_tokens),
-            "--sync-broadcast" if broadcast else "--no-sync-broadcast",
+            "--sync-broadcast" if broadcast else "--no-sync-broadcast", "--dtype", cfg.dtype,
         ]  # fmt: skip
         if cfg.eval_every and i == 0:  # rollout-0 evaluates the held-out split the buffer wrote
             flags["rollout-0"] += ["--eval-every", str(cfg.eval_every), "--eval-data", str(run.eval_items),
@@ -83,9 +84,23 @@ def service_commands(
         flags["learner"] += ["--seed", str(cfg.seed)]
         for i in range(cfg.replicas):
             flags[f"rollout-{i}"] += ["--seed", str(cfg.seed + i)]  # replicas must not repeat each other
+    if cfg.placement == "split" and (cores := split_cores()) is not None:
+        flags["learner"] += ["--cpu-cores", cores[0]]
+        for i in range(cfg.replicas):
+            flags[f"rollout-{i}"] += ["--cpu-cores", cores[1]]
     env = {"DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
     return [ServiceCommand(name, ("--port", str(ports[name]), *flags[name], *cfg.extra.get(_service(name), [])), env)
             for name in service_names(cfg)]  # fmt: skip
+
+
+def split_cores(cores: set[int] | None = None) -> tuple[str, str] | None:
+    """The learner's cores and the replicas': the first half and the rest of the cores this process may use
+    (None on one core: nothing to split)."""
+    ordered = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if len(ordered) < 2:
+        return None
+    half = len(ordered) // 2
+    return ",".join(map(str, ordered[:half])), ",".join(map(str, ordered[half:]))
 
 
 def _service(name: str) -> Service:

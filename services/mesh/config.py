@@ -67,6 +67,14 @@ class MeshConfig(BaseModel):
         description="Seeds the rollouts' sampling, the learner's mini-batch shuffle and the buffer's dispatch order "
         "(unset: random sampling): the same seed repeats a run's samples for the same weights.",
     )
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Learner and replicas: bf16 where the hardware has it (auto), or fp32 everywhere."
+    )
+    placement: Literal["split", "shared"] = Field(
+        "split",
+        description="split: the learner pinned to the first half of the cores, the replicas' threads to the other "
+        "half (measured: README, Benchmarks); shared: every service on every core, the learner on 1 thread.",
+    )
     extra: dict[Service, list[str]] = Field(default_factory=dict, description="More flags per service.")
 
     @classmethod

@@ -78,7 +78,13 @@ class RunLayout:
 
     @property
     def curves(self) -> Path:
+        """Drawn when the run ends (and by `dapo-mesh curves`), not at every step: it costs the cores' time."""
         return self.root / "curves.png"
+
+    @property
+    def cpu(self) -> Path:
+        """CPU seconds of each process of the run, the orchestrator's among them, written when it stops."""
+        return self.root / "cpu.json"
 
     @property
     def supervisor_log(self) -> Path:

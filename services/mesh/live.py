@@ -34,6 +34,18 @@ class ServiceState:
     restarts: int = 0  # by the mesh's supervisor
 
 
+_http: httpx.Client | None = None
+
+
+def http() -> httpx.Client:
+    """The scrapes' one HTTP client, kept alive: a bare `httpx.get` builds an SSL context each time (~30 ms of CPU
+    measured; 8 of them per 5-s scrape were most of the orchestrator's 4.4% of a 2-core run)."""
+    global _http
+    if _http is None:
+        _http = httpx.Client()
+    return _http
+
+
 def scrape(name: str, port: int, alive: bool, timeout_s: float = 1.0) -> ServiceState:
     st = ServiceState(name, port, alive)
     if not alive:
@@ -41,11 +53,11 @@ def scrape(name: str, port: int, alive: bool, timeout_s: float = 1.0) -> Service
         return st
     base = f"http://127.0.0.1:{port}"
     try:
-        r = httpx.get(f"{base}/readyz", timeout=timeout_s)
+        r = http().get(f"{base}/readyz", timeout=timeout_s)
         st.ready = r.status_code == 200
         if r.headers.get("content-type", "").startswith("application/json"):
             st.detail = str(r.json().get("detail", ""))
-        text = httpx.get(f"{base}/metrics", timeout=timeout_s).text
+        text = http().get(f"{base}/metrics", timeout=timeout_s).text
     except (httpx.HTTPError, ValueError) as e:
         st.detail = f"unreachable: {type(e).__name__}"
         return st

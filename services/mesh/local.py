@@ -48,6 +48,7 @@ class Mesh:
         self.ports: dict[str, int] = {}
         self.url = ""
         self._client: Any = None  # the mesh's own Redis connection (see client())
+        self.started, self._cpu0 = time.monotonic(), time.process_time()
 
     def model_dir(self) -> Path:
         if self.cfg.tiny:
@@ -63,6 +64,7 @@ class Mesh:
         """Redis, then every service; returns once each answers /readyz."""
         model = self.model_dir()
         self.say(f"model: {model}")
+        self.started, self._cpu0 = time.monotonic(), time.process_time()  # the run's CPU, not the model's set-up
         self.url = self.cfg.redis_url or self.sup.start_redis()
         self.say(f"redis: {self.url}")
         self.ports = allocate_ports(self.cfg)
@@ -168,6 +170,24 @@ class Mesh:
         self.say(f"[yellow]not every replica loaded version {final} within {timeout_s:.0f} s[/]")
 
     def stop(self) -> None:
+        """The CPU account and the curves, then every process stopped."""
+        self.account_cpu()
+        if self.recorder.draw():
+            self.say(f"curves in {self.paths.curves}")
         if self._client is not None:
             self._client.close()
         self.sup.stop()
+
+    def account_cpu(self) -> dict[str, Any]:
+        """cpu.json: CPU seconds of every service and of this orchestrator (live view, scrapes, recorder), and the
+        orchestrator's share of the run's CPU (goal: under 1%)."""
+        services = self.sup.cpu_seconds()
+        mine = time.process_time() - self._cpu0
+        total = mine + sum(services.values())
+        share = mine / total if total else 0.0
+        report = {"wall_s": time.monotonic() - self.started, "orchestrator_s": mine, "services_s": services,
+                  "orchestrator_share": share}  # fmt: skip
+        self.paths.cpu.write_text(json.dumps(report, indent=1))
+        self.say(f"CPU: orchestrator {mine:.1f} s = {100 * share:.2f}% of the run's "
+                 f"{total:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in services.items()) + ")")  # fmt: skip
+        return report

@@ -17,10 +17,12 @@ the running processes (the chaos test kills them from there).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from services.common.launch import ROOT, child_env
 from services.common.redis_server import EmbeddedRedis, die_with_parent
@@ -97,6 +99,18 @@ class Supervisor:
                 f.write(json.dumps({"time": time.time(), "service": name, "exit_code": code, "restart": n + 1}) + "\n")
             self.say(f"restarted {name} (restart {n + 1})")
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each running service and Redis has used so far, from /proc."""
+        procs = {name: p.pid for name, p in self.procs.items() if p.poll() is None}
+        redis = self.redis.proc if self.redis else None
+        if redis is not None and redis.poll() is None:
+            procs["redis"] = redis.pid
+        out = {}
+        for name, pid in procs.items():
+            if (used := process_cpu_seconds(pid)) is not None:
+                out[name] = used
+        return out
+
     def stop(self) -> None:
         """SIGTERM to every service, the last started first (replicas before the reward server they call), then
         SIGKILL to any still running after the grace period; Redis last."""
@@ -112,3 +126,13 @@ class Supervisor:
                 proc.wait(10)
         if self.redis:
             self.redis.stop()
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process (its threads included), or None when it is gone or /proc is not there."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, utime 14, stime 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -95,7 +95,10 @@ def test_dapo_mesh_up_tiny_with_prometheus(tmp_path: Path) -> None:
     rollout_log = (run_dir / "logs" / "rollout-0.log").read_text()
     assert "serving weights version 3 (broadcast)" in rollout_log  # the replica followed the learner to the end
     assert "replicas hold the final weights (version 3)" in stdout
-    assert (run_dir / "curves.png").stat().st_size > 10_000
+    assert (run_dir / "curves.png").stat().st_size > 10_000  # drawn once, when the run ends
+    cpu = json.loads((run_dir / "cpu.json").read_text())  # what each process cost, the orchestrator's share
+    assert set(SERVICES) <= set(cpu["services_s"]) and all(v > 0 for v in cpu["services_s"].values())
+    assert 0 < cpu["orchestrator_share"] < 1 and "CPU: orchestrator" in stdout
     if prom is not None:
         assert seen_up == set(SERVICES), f"Prometheus saw up == 1 only for {seen_up}"
         assert seen_counting == set(SERVICES), f"counters moved only for {seen_counting}"

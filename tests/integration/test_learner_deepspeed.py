@@ -136,7 +136,9 @@ class OldPathTrainer(Trainer):
     def micro(self, idx: torch.Tensor, t: BatchTensors) -> list[torch.Tensor]:
         return list(microbatches(idx, self.s.micro_batch_size))
 
-    def _logprobs(self, part: BatchTensors, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(
+        self, part: BatchTensors, only: torch.Tensor, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = part.input_ids.to(self.device)
         logits = self.engine(input_ids=ids, attention_mask=part.attention_mask.to(self.device)).logits
         return token_logprobs_and_entropy(logits / part.temperature.view(-1, 1, 1), ids, with_entropy=with_entropy)

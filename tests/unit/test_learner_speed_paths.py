@@ -46,6 +46,29 @@ def test_chunked_logprobs_equal_the_full_logits_ones(chunk: int, bias: bool) -> 
     assert (lp[:, 0] == 0).all() and not ent.requires_grad
 
 
+def test_chunked_logprobs_at_chosen_positions_only() -> None:
+    """`only`: the chosen positions get the full computation's values, the others 0; the gradient of a loss over
+    the chosen positions is the full computation's."""
+    torch.manual_seed(3)
+    head = torch.nn.Linear(8, 40, bias=False)
+    hidden = torch.randn(2, 11, 8, requires_grad=True)
+    ids = torch.randint(0, 40, (2, 11))
+    only = torch.zeros(2, 11)
+    only[0, 4:9], only[1, 6:11] = 1, 1
+    lp, ent = chunked_logprobs(hidden, head, ids, torch.tensor([0.8, 1.0]), chunk=3, only=only, with_entropy=True)
+    lp.sum().backward()
+    got = (hidden.grad.clone(), head.weight.grad.clone())  # type: ignore[union-attr]
+    hidden.grad, head.weight.grad = None, None
+    ref, ref_ent = token_logprobs_and_entropy(head(hidden) / torch.tensor([0.8, 1.0]).view(-1, 1, 1), ids)
+    (ref * only).sum().backward()
+    assert ent is not None and ref_ent is not None
+    torch.testing.assert_close(lp, (ref * only).detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent, (ref_ent * only).detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[0], hidden.grad, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1], head.weight.grad, atol=1e-6, rtol=1e-6)
+    assert (lp[only == 0] == 0).all() and (lp[only == 1] != 0).all()
+
+
 def test_chunked_logprobs_upcast_bf16_logits_to_fp32() -> None:
     """bf16 weights and hidden states: the log-softmax is fp32, equal to the fp32 log-softmax of the bf16 logits."""
     g = torch.Generator().manual_seed(1)

@@ -16,7 +16,7 @@ from rollout.settings import RolloutSettings
 from services.buffer.settings import BufferSettings
 from services.common.settings import load_settings
 from services.mesh.cli import app
-from services.mesh.commands import SYNC_PORT, ServiceCommand, service_commands, service_names
+from services.mesh.commands import SYNC_PORT, ServiceCommand, service_commands, service_names, split_cores
 from services.mesh.config import MeshConfig, PresetError, load_preset
 from services.mesh.layout import RunLayout
 
@@ -73,6 +73,21 @@ def test_the_dapo_preset_becomes_these_command_lines(tmp_path: Path) -> None:
     # only rollout-0 evaluates, on the file the buffer writes
     assert (r0.eval_every, r0.eval_data, r0.eval_size, r0.eval_k) == (9, str(paths.eval_items), 100, 4)
     assert r1.eval_every is None
+
+
+def test_dtype_and_core_placement_reach_the_learner_and_every_replica(tmp_path: Path) -> None:
+    cfg = MeshConfig(run_dir=tmp_path, replicas=2, dtype="fp32")
+    cmds = {c.name: parsed(c) for c in service_commands(cfg, MODEL, URL, ports(cfg))}
+    assert cmds["learner"].dtype == cmds["rollout-0"].dtype == cmds["rollout-1"].dtype == "fp32"
+    assert MeshConfig(run_dir=tmp_path).dtype == "auto"  # bf16 where the hardware has it
+    learner_cores, replica_cores = split_cores() or (None, None)
+    assert cmds["learner"].cpu_cores == learner_cores  # split by default: the first half of the cores
+    assert cmds["rollout-0"].cpu_cores == cmds["rollout-1"].cpu_cores == replica_cores
+    shared = MeshConfig(run_dir=tmp_path, placement="shared")
+    for c in service_commands(shared, MODEL, URL, ports(shared)):
+        assert "--cpu-cores" not in c.args
+    assert split_cores({0, 1, 2, 3}) == ("0,1", "2,3") and split_cores({5, 7}) == ("5", "7")
+    assert split_cores({3}) is None  # one core: nothing to split
 
 
 def test_preset_flags_come_last_so_they_win(tmp_path: Path) -> None:
