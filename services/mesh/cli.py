@@ -248,7 +248,6 @@ def evaluate(
 
     if as_json:  # stdout is the report alone: vLLM logs to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-
     from rollout.engine import SamplingParams, load_engine
     from rollout.evaluate import evaluate as run_eval
     from rollout.evaluate import load_eval_items
@@ -276,8 +275,7 @@ def evaluate(
         report, samples = run_eval(eng, items, client, k=k,
                                    params=SamplingParams(temperature, top_p, max_tokens, seed))  # fmt: skip
     report.settings = {"model": str(model_dir), "data": data, "size": len(items), "seed": seed, "engine": engine,
-                       "dtype": getattr(eng, "dtype", "fp32"),
-                       "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}  # fmt: skip
+                       "dtype": eng.dtype, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}  # type: ignore[attr-defined]  # fmt: skip
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(report.to_json())

@@ -40,10 +40,11 @@ TIMEOUT_S = 8.0
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 
 
-def start_replica(model_dir: Path, url: str, reward: str, name: str, engine: str, *extra: str) -> subprocess.Popen:
-    args = ["--engine", engine, "--model-dir", str(model_dir), "--redis-url", url, "--reward-url", reward,
-            "--port", str(free_port()), "--replica-id", name, "--max-response-tokens", "6", "--temperature", "0",
-            "--prompts-per-call", "1", "--heartbeat-ttl-s", "3", *extra]  # fmt: skip
+def start_replica(model_dir: Path, url: str, reward: str, name: str, engine: str, *extra: str,
+                  dtype: str = "fp32") -> subprocess.Popen:  # fmt: skip
+    args = ["--engine", engine, "--dtype", dtype, "--model-dir", str(model_dir), "--redis-url", url,
+            "--reward-url", reward, "--port", str(free_port()), "--replica-id", name, "--max-response-tokens", "6",
+            "--temperature", "0", "--prompts-per-call", "1", "--heartbeat-ttl-s", "3", *extra]  # fmt: skip
     env = child_env(OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "rollout", *args], env=env, cwd=ROOT)
 
@@ -68,6 +69,7 @@ def serving(client: redis.Redis, name: str, version: int, checksum_: int | None 
 
 def learner(model_dir: Path, run_dir: Path, url: str, stage: int, **kw: object) -> tuple[Trainer, WeightSender,
                                                                                       CollectorRegistry]:  # fmt: skip
+    kw.setdefault("dtype", "fp32")  # fp32 on both sides: the log-probs must agree to 2e-3
     s = LearnerSettings(model_dir=model_dir, run_dir=run_dir, redis_url=url, zero_stage=stage, lr=5e-3,
                         warmup_batches=0, minibatches=1, micro_batch_size=4, sync_port=0, sync_timeout_s=TIMEOUT_S,
                         sync_bucket_mb=0.5, **kw)  # type: ignore[arg-type]  # fmt: skip  # several buckets, ~3 MB
@@ -90,9 +92,12 @@ def learner_checksum(sender: WeightSender) -> int:
     return total([checksum(buf) for buf in b.buffers])
 
 
-def engine_follows_learner(client: redis.Redis, trainer: Trainer, version: int, k: int) -> list[float]:
+def engine_follows_learner(client: redis.Redis, trainer: Trainer, version: int, k: int, tol: float = 2e-3
+                           ) -> list[float]:  # fmt: skip
     """A greedy sample from the replicas must be tagged `version`, be the learner model's own greedy
-    continuation, and carry the learner model's log-probs: the weights reached the engine."""
+    continuation, and carry the learner model's log-probs: the weights reached the engine. In bf16 (`tol` > 2e-3)
+    vLLM's kernels and torch's round differently (~1e-2): a near-tie may then pick another greedy token, so only
+    the log-probs are compared; a stale tied lm_head is off by ~1."""
     StreamProducer(client, STREAM_PROMPTS).publish(
         PromptTask(task_id=f"v{version}-{k}", prompt_id=f"p{k}", prompt=f"Count to {k}.", ground_truth="1",
                    verifier="dapo_math", data_source="test", n_samples=1))  # fmt: skip
@@ -108,23 +113,28 @@ def engine_follows_learner(client: redis.Redis, trainer: Trainer, version: int, 
         logits = trainer.engine(input_ids=ids).logits.float()
     logp = logits.log_softmax(-1)[0, len(prompt) - 1 : -1]
     want = logp.gather(-1, torch.tensor(resp).unsqueeze(-1)).squeeze(-1)
-    assert torch.equal(logp.argmax(-1), torch.tensor(resp)), "not the learner's greedy continuation"
+    if tol <= 2e-3:
+        assert torch.equal(logp.argmax(-1), torch.tensor(resp)), "not the learner's greedy continuation"
     got = torch.tensor(sample.logprobs.tolist())
-    assert (got - want).abs().max() < 2e-3, (got, want)
+    assert (got - want).abs().max() < tol, (got, want)
     return got.tolist()
 
 
 @pytest.mark.slow
 @needs_vllm
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_broadcast_reaches_two_vllm_engines(tmp_path: Path, model_dir: Path, reward_url: str,
-                                            server: EmbeddedRedis) -> None:  # fmt: skip
+                                            server: EmbeddedRedis, dtype: str) -> None:  # fmt: skip
+    """bf16: the learner's bf16 weights broadcast into bf16 vLLM engines (tied lm_head re-packed) — where bf16 is
+    not supported both sides run fp32, and the test checks that."""
     client = connect(server.url)
-    trainer, sender, _ = learner(model_dir, tmp_path / "run", server.url, stage=2)
-    procs = [start_replica(model_dir, server.url, reward_url, n, "vllm") for n in ("a", "b")]
+    trainer, sender, _ = learner(model_dir, tmp_path / "run", server.url, stage=2, dtype=dtype)
+    tol = 2e-3 if trainer.dtype == "fp32" else 0.05
+    procs = [start_replica(model_dir, server.url, reward_url, n, "vllm", dtype=dtype) for n in ("a", "b")]
     try:
         for n in ("a", "b"):
             wait_for(f"replica {n}", lambda n=n: (hb := heartbeat(client, n)) is not None and hb.state == "ready")
-        before = engine_follows_learner(client, trainer, 0, 0)
+        before = engine_follows_learner(client, trainer, 0, 0, tol)
         seen = [before]
         for v in (1, 2, 3):
             trainer.train(tiny_batch(v))
@@ -133,7 +143,7 @@ def test_broadcast_reaches_two_vllm_engines(tmp_path: Path, model_dir: Path, rew
             assert unpack(client.get(KEY_WEIGHTS), WeightVersion) == wv
             for n in ("a", "b"):
                 wait_for(f"{n} serving v{v}", lambda n=n, v=v, c=wv.checksum: serving(client, n, v, c), 30)
-            lp = engine_follows_learner(client, trainer, v, v)
+            lp = engine_follows_learner(client, trainer, v, v, tol)
             assert lp != seen[-1]  # the weights really changed in the engine
             seen.append(lp)
         assert unpack(client.get(KEY_SYNC_GROUP), SyncGroup).generation == 1  # same members: never rebuilt
