@@ -27,7 +27,7 @@ import torch
 from learner.advantages import group_advantages
 from learner.batching import BatchTensors, minibatches, to_tensors, token_microbatches
 from learner.logprobs import chunked_logprobs
-from learner.loss import policy_loss
+from learner.loss import policy_loss, token_logprobs_and_entropy
 from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights
 from learner.schedule import lr_factor
 from learner.settings import LearnerSettings
@@ -130,7 +130,14 @@ class Trainer:
         from, as its behaviour log-probs are. The decoder's hidden states, then the lm_head a chunk at a time."""
         module = self.engine.module
         ids = part.input_ids.to(self.device)
-        hidden = module.get_decoder()(input_ids=ids, attention_mask=part.attention_mask.to(self.device))[0]
+        mask = part.attention_mask.to(self.device)
+        if self.s.zero_stage == 3:  # partitioned weights: only a module call gathers the lm_head, so full logits
+            logits = self.engine(input_ids=ids, attention_mask=mask).logits
+            lp, ent = token_logprobs_and_entropy(logits / part.temperature.to(logits).view(-1, 1, 1), ids,
+                                                 with_entropy=with_entropy)  # fmt: skip
+            keep = only.to(lp)
+            return lp * keep, None if ent is None else ent * keep
+        hidden = module.get_decoder()(input_ids=ids, attention_mask=mask)[0]
         return chunked_logprobs(hidden, module.get_output_embeddings(), ids, part.temperature,
                                 chunk=self.s.logprob_chunk, with_entropy=with_entropy, only=only)  # fmt: skip
 
