@@ -114,10 +114,11 @@ class Trainer:
         wanted = t.response_mask if mask is None else mask
         for idx in self.micro(torch.arange(len(t)), t):
             part = t.select(idx)
-            logp, ent = self._logprobs(part, wanted[idx, : part.input_ids.shape[1]], with_entropy=mask is not None)
+            only = wanted[idx, : part.input_ids.shape[1]]
+            logp, ent = self._logprobs(part, only, with_entropy=mask is not None)
             out[idx, : logp.shape[1]] = logp.cpu()
-            if ent is not None and mask is not None:
-                m = mask[idx, : logp.shape[1]].to(self.device)
+            if ent is not None:  # asked for only with a mask: `only` is that mask's part
+                m = only.to(self.device)
                 ent_sum += float((ent * m).sum())
                 ent_n += float(m.sum())
         return out, ent_sum / max(ent_n, 1.0)

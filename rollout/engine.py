@@ -45,6 +45,7 @@ class Completion:
 class Engine(Protocol):
     version: int  # policy version of the weights it holds
     tokenizer: Any
+    dtype: Dtype  # what it computes in (resolved: bf16 or fp32)
 
     def generate(self, prompts: list[list[int]], n: int | list[int], params: SamplingParams) -> list[list[Completion]]:
         """`n` samples for each prompt (one count for all, or one per prompt)."""

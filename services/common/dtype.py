@@ -14,7 +14,10 @@ from __future__ import annotations
 import logging
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 DtypeChoice = Literal["auto", "bf16", "fp32"]
 Dtype = Literal["bf16", "fp32"]
@@ -63,7 +66,7 @@ def resolve_dtype(
     return "fp32"
 
 
-def torch_dtype(dtype: Dtype) -> object:
+def torch_dtype(dtype: Dtype) -> torch.dtype:
     import torch
 
     return torch.bfloat16 if dtype == "bf16" else torch.float32

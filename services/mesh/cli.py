@@ -274,8 +274,8 @@ def evaluate(
         eng = load_engine(model_dir, engine, dtype=resolve_dtype(dtype))  # type: ignore[arg-type]
         report, samples = run_eval(eng, items, client, k=k,
                                    params=SamplingParams(temperature, top_p, max_tokens, seed))  # fmt: skip
-    report.settings = {"model": str(model_dir), "data": data, "size": len(items), "seed": seed, "engine": engine,
-                       "dtype": eng.dtype, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}  # type: ignore[attr-defined]  # fmt: skip
+    report.settings = {"model": str(model_dir), "data": data, "size": len(items), "engine": engine, "dtype": eng.dtype,
+                       "seed": seed, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}  # fmt: skip
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(report.to_json())

@@ -170,13 +170,16 @@ class Mesh:
         self.say(f"[yellow]not every replica loaded version {final} within {timeout_s:.0f} s[/]")
 
     def stop(self) -> None:
-        """The CPU account and the curves, then every process stopped."""
-        self.account_cpu()
-        if self.recorder.draw():
-            self.say(f"curves in {self.paths.curves}")
-        if self._client is not None:
-            self._client.close()
-        self.sup.stop()
+        """The CPU account and the curves (when services ran), then every process stopped, whatever they raise."""
+        try:
+            if self.sup.procs:
+                self.account_cpu()
+            if self.recorder.draw():
+                self.say(f"curves in {self.paths.curves}")
+        finally:
+            if self._client is not None:
+                self._client.close()
+            self.sup.stop()
 
     def account_cpu(self) -> dict[str, Any]:
         """cpu.json: CPU seconds of every service and of this orchestrator (live view, scrapes, recorder), and the

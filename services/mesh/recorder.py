@@ -77,8 +77,8 @@ class RunRecorder:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
     def draw(self) -> Path | None:
-        """curves.png from metrics.jsonl: once, when the run ends (redrawn at every step, it was most of the
-        orchestrator's ~6% of a 2-core run's CPU)."""
+        """curves.png from metrics.jsonl: once, when the run ends (it used to be redrawn at every step, on the cores
+        the run needs)."""
         return curves.plot(self.paths.metrics, self.paths.curves)
 
 
