@@ -63,11 +63,11 @@ def service_commands(
     flags: dict[str, list[str]] = {
         "reward": ["--workers", "1"],
         "buffer": ["--run-dir", str(run.buffer), "--dataset", cfg.dataset, "--n-samples", str(cfg.n_samples),
-                   "--batch-size", str(cfg.batch_size)],
+                   "--batch-size", str(cfg.batch_size), "--max-staleness", str(cfg.max_staleness)],
         "learner": ["--model-dir", str(model_dir), "--run-dir", str(run.learner), "--max-batches", str(cfg.steps),
                     "--minibatches", str(cfg.minibatches), "--lr", str(cfg.lr), "--dtype", cfg.dtype,
                     "--weight-sync", "broadcast" if broadcast else "none", "--sync-port", str(ports[SYNC_PORT]),
-                    "--hold-after-max"],
+                    "--max-staleness", str(cfg.max_staleness), "--hold-after-max"],
     }  # fmt: skip
     for i in range(cfg.replicas):
         flags[f"rollout-{i}"] = [

@@ -52,6 +52,12 @@ class MeshConfig(BaseModel):
     batch_size: int = Field(8, ge=1, description="B: groups per TrainBatch.")
     max_response_tokens: int = Field(128, ge=1, description="Tokens generated at most per sample.")
     minibatches: int = Field(4, ge=1, description="Optimizer steps per TrainBatch.")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="Versions a group may lag: the buffer batches nothing older, and the learner checks again at the "
+        "update (its --stale-groups: drop, or reweight and count).",
+    )
     lr: float = Field(1e-6, gt=0, description="Learning rate.")
     dataset: str = Field("reasoning_gym:chain_sum", description="The buffer's dataset spec.")
     transport: Literal["broadcast", "filesystem"] = Field(

@@ -54,14 +54,17 @@ def test_the_dapo_preset_becomes_these_command_lines(tmp_path: Path) -> None:
 
     learner = parsed(cmds["learner"])
     assert (learner.model_dir, learner.run_dir, learner.max_batches) == (MODEL, paths.learner, 45)
-    assert (learner.minibatches, learner.lr, learner.weight_sync) == (2, 2e-5, "broadcast")
+    assert (learner.minibatches, learner.lr, learner.weight_sync) == (4, 2e-5, "broadcast")
     assert learner.sync_port == p["sync"]
     assert (learner.clip_high, learner.loss_agg, learner.warmup_batches, learner.hold_after_max) == (
         0.28, "token-mean", 2, True)  # fmt: skip  # from the preset's [learner]
+    # one staleness bound, checked by the buffer when it batches and by the learner at the update
+    assert (learner.max_staleness, learner.stale_groups, learner.off_policy) == (1, "reweight", "token-tis")
 
     buffer = parsed(cmds["buffer"])
     assert (buffer.dataset, buffer.n_samples, buffer.batch_size, buffer.run_dir) == (
         "reasoning_gym:basic_arithmetic", 8, 4, paths.buffer)  # fmt: skip
+    assert buffer.max_staleness == 1
     assert buffer.dataset_size == 400 and buffer.dataset_config["basic_arithmetic"]["operators"] == ["+", "*"]
 
     assert parsed(cmds["reward"]).overlong_shaping is True and parsed(cmds["reward"]).workers == 1
