@@ -52,6 +52,7 @@ from services.common.weights import (
 )
 
 log = logging.getLogger(__name__)
+ROSTER_WAIT = 3  # x the announced timeout: a joined replica's wait for the roster (the learner's join window is 1x)
 Loader = Callable[[Iterator[tuple[str, torch.Tensor]], int], None]
 
 
@@ -150,7 +151,9 @@ class WeightReceiver:
                 self.buckets = Buckets(manifest, self.device)
                 self.ready = None
         store.set(f"join/{rid}", b"1")
-        wait_keys(store, ["roster"], timeout, cancelled=cancelled, poll_s=0.02)
+        # the learner closes the join window up to `timeout` after announcing (longer when a candidate never
+        # answers): a replica that joined at once must wait that long and more, or it leaves a group it is in
+        wait_keys(store, ["roster"], ROSTER_WAIT * timeout, cancelled=cancelled, poll_s=0.02)
         roster = [str(r) for r in msgpack.unpackb(store.get("roster"))]
         if rid not in roster:
             raise SyncAborted("not in the roster")

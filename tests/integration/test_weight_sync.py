@@ -67,15 +67,15 @@ def serving(client: redis.Redis, name: str, version: int, checksum_: int | None 
     return hb is not None and hb.weight_version == version and (checksum_ is None or hb.weight_checksum == checksum_)
 
 
-def learner(model_dir: Path, run_dir: Path, url: str, stage: int, **kw: object) -> tuple[Trainer, WeightSender,
-                                                                                      CollectorRegistry]:  # fmt: skip
+def learner(model_dir: Path, run_dir: Path, url: str, stage: int, sender: type[WeightSender] = WeightSender,
+            **kw: object) -> tuple[Trainer, WeightSender, CollectorRegistry]:  # fmt: skip
     kw.setdefault("dtype", "fp32")  # fp32 on both sides: the log-probs must agree to 2e-3
     s = LearnerSettings(model_dir=model_dir, run_dir=run_dir, redis_url=url, zero_stage=stage, lr=5e-3,
                         warmup_batches=0, minibatches=1, micro_batch_size=4, sync_port=0, sync_timeout_s=TIMEOUT_S,
                         sync_bucket_mb=0.5, **kw)  # type: ignore[arg-type]  # fmt: skip  # several buckets, ~3 MB
     trainer = Trainer(s)
     registry = CollectorRegistry()
-    return trainer, WeightSender(s, connect(url), trainer.engine.module, registry, zero3=stage == 3), registry
+    return trainer, sender(s, connect(url), trainer.engine.module, registry, zero3=stage == 3), registry
 
 
 def learner_checksum(sender: WeightSender) -> int:
@@ -211,6 +211,41 @@ def test_elastic_membership_with_a_zero3_learner(tmp_path: Path, model_dir: Path
 
 
 @pytest.mark.slow
+class SlowJoinWindow(WeightSender):
+    """A learner that closes the join window late (a loaded CPU, a long GC pause, a candidate that never answers):
+    the roster comes `extra_s` after every join is in."""
+
+    extra_s = 0.0
+
+    def _await(self, store, keys, beats):  # type: ignore[no-untyped-def]
+        arrived = super()._await(store, keys, beats)
+        if any(k.startswith("join/") for k in keys.values()):
+            time.sleep(self.extra_s)
+        return arrived
+
+
+def test_a_replica_that_joined_waits_for_a_late_roster(tmp_path: Path, model_dir: Path, reward_url: str,
+                                                       server: EmbeddedRedis) -> None:  # fmt: skip
+    """The roster may come a whole timeout after the announcement (the learner waits that long for a candidate
+    that never joins): a replica that joined at once must still be in the group. It used to wait one timeout
+    from its join and leave just before the roster came (flaky in the test below, certain here)."""
+    client = connect(server.url)
+    trainer, slow, _ = learner(model_dir, tmp_path / "run", server.url, stage=0, sender=SlowJoinWindow)
+    assert isinstance(slow, SlowJoinWindow)
+    slow.extra_s = 1.2 * TIMEOUT_S  # past one timeout after the join: the old replica had given up
+    proc = start_replica(model_dir, server.url, reward_url, "r0", "hf")
+    try:
+        wait_for("replica r0", lambda: (hb := heartbeat(client, "r0")) is not None and hb.state == "ready")
+        trainer.train(tiny_batch(1))
+        wv = slow.publish(1)
+        assert wv.replicas == ["r0"] and wv.checksum == learner_checksum(slow)
+        wait_for("r0 serving v1", lambda: serving(client, "r0", 1, wv.checksum), 30)
+    finally:
+        slow.close()
+        proc.terminate()
+        proc.wait(60)
+
+
 def test_a_replica_refuses_a_round_it_cannot_authenticate(tmp_path: Path, model_dir: Path, reward_url: str,
                                                          server: EmbeddedRedis) -> None:  # fmt: skip
     """The learner's store listens on its configured interface only, and signs the manifest and each round's
