@@ -94,7 +94,9 @@ class MeshConfig(BaseModel):
     def tiny_preset(cls, run_dir: Path, steps: int = 3) -> MeshConfig:
         return cls(run_dir=run_dir, steps=steps, tiny=True, engine="hf", n_samples=4, batch_size=4,
                    max_response_tokens=24, minibatches=2, lr=1e-4, eval_size=16, eval_k=2,
-                   extra={"buffer": ["--no-dynamic-sampling"]})  # a random model gets nothing right  # fmt: skip
+                   extra={"buffer": ["--no-dynamic-sampling"],  # a random model gets nothing right
+                          # as the presets: a group past the bound at the update is trained under the correction
+                          "learner": ["--off-policy", "token-tis", "--stale-groups", "reweight"]})  # fmt: skip
 
 
 # where a run goes and what runs it are the caller's, not a preset's
