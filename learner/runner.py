@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from learner import checkpoint
+from learner import checkpoint, record
 from learner.checkpoint import LearnerState
 from learner.metrics import LearnerMetrics
 from learner.service import Learner
@@ -36,6 +36,8 @@ def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
             place(s.cpu_cores, s.threads, log)
             trainer = Trainer(s)
             s.run_dir.mkdir(parents=True, exist_ok=True)
+            if s.record_batches:
+                record.record_settings(s.run_dir, s)
             state = checkpoint.load(trainer.engine, s.run_dir) or LearnerState()
             proc.client.set(KEY_POLICY_VERSION, state.version)  # a crash may have left a newer version that was lost
             metrics.policy_version.set(state.version)

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from learner import checkpoint
+from learner import checkpoint, record
 from learner.checkpoint import LearnerState
 from learner.metrics import LearnerMetrics
 from learner.settings import LearnerSettings
@@ -115,6 +115,8 @@ class Learner:
         if batch is None:
             return
         m: dict[str, Any] = self.trainer.train(batch, version=state.version)
+        if s.record_batches:  # before the update is reported anywhere: a replay holds every update the run made
+            record.record_batch(s.run_dir, state.version, batch)
         lag = max(0, state.version - batch.min_version)
         state.advance(batch.batch_id, s.minibatches, digest)
         self.done.add(digest)

@@ -106,7 +106,12 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     hold_after_max: bool = Field(
         False, description="After --max-batches: keep serving metrics and the sync group until SIGTERM (dapo-mesh up)."
     )
-    seed: int = Field(0, description="Seed of the mini-batch shuffling.")
+    seed: int = Field(0, description="Seed of the mini-batch shuffling (each batch's from the seed and its version).")
+    record_batches: bool = Field(
+        False,
+        description="Write every batch as trained to run_dir/batches/<version>.msgpack (and the update settings): "
+        "`dapo-mesh replay` trains them again offline.",
+    )
     dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port for a single process (0: free).")
 
     @model_validator(mode="after")

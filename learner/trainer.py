@@ -80,7 +80,6 @@ class Trainer:
         # no scheduler for DeepSpeed to step at each optimizer step: the LR is set per batch (learner/schedule.py)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.batches_done = 0  # the learner passes its version (batches in the weights) instead, restarts included
-        self.generator = torch.Generator().manual_seed(settings.seed)
         self.device = self.engine.device
         self._entropy = 0.0
         self._gap: dict[str, float] = {}
@@ -165,12 +164,13 @@ class Trainer:
     def train(self, batch: TrainBatch, version: int | None = None) -> dict[str, float]:
         """One batch; `version`: the learner's policy version now (for the gap per version lag)."""
         t0 = time.perf_counter()
-        lr = self.set_lr(self.batches_done if version is None else version)
+        index = self.batches_done if version is None else version
+        lr = self.set_lr(index)
         t = self.prepare(batch, version)
         sums: dict[str, float] = {}
         weight = 0.0
         grad_norms = []
-        for mb in minibatches(len(t), self.s.minibatches, generator=self.generator):
+        for mb in minibatches(len(t), self.s.minibatches, generator=self.shuffle(index)):
             assert t.loss_mask is not None
             tokens = float(t.loss_mask[mb].sum())
             if tokens == 0:  # every sample of this mini-batch filtered out
@@ -194,6 +194,11 @@ class Trainer:
             "entropy": self._entropy,
         } | self._gap
         return out
+
+    def shuffle(self, index: int) -> torch.Generator:
+        """The mini-batch shuffle of the batch trained after `index` others: a function of the seed and the index
+        only, so a learner resumed from a checkpoint and a replay of the recorded batches draw the same."""
+        return torch.Generator().manual_seed(self.s.seed * 1_000_003 + index)
 
     def set_lr(self, batches_done: int) -> float:
         """The LR of the next batch, from the number of batches trained before it."""

@@ -213,6 +213,26 @@ def ablate(
     console.print(markdown(results))
 
 
+@app.command()
+def replay(
+    batches: Annotated[Path, typer.Option(help="A run dir whose learner ran with --record-batches (or its learner/).")],
+    model_dir: Annotated[Path, typer.Option(help="The model the run started from (HF folder).")],
+    out: Annotated[Path, typer.Option(help="Where the replay writes: OUT/hf/v<last version>.")],
+    zero_stage: Annotated[int | None, typer.Option(min=0, max=3, help="Default: the run's.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto, bf16 or fp32; default: the run's.")] = None,
+    until: Annotated[int | None, typer.Option(min=1, help="Stop before the batch trained at this version.")] = None,
+) -> None:
+    """Train a run's recorded batches again, in order, with its update settings, and write the final weights:
+    reproduce a run, bisect it (--until), debug an update with its own inputs."""
+    from learner.replay import replay as run_replay
+
+    try:
+        path = run_replay(batches, model_dir, out, zero_stage=zero_stage, dtype=dtype, until=until, say=console.print)
+    except (FileNotFoundError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from None
+    console.print(f"weights: {path}")
+
+
 @app.command("eval")
 def evaluate(
     model: Annotated[Path | None, typer.Option(help="HF model folder; default: SmolLM2-135M-Instruct.")] = None,
