@@ -8,7 +8,8 @@ one after the other (they share the cores). A run whose metrics.jsonl already ho
 again: an interrupted ablation resumes where it stopped. From each run's held-out evaluations (rows of kind "eval"):
 the final and the best avg@k. Per preset: the mean and the sample standard deviation over the seeds; then the
 difference of the first preset's mean final avg@k from each other preset's, with its standard error
-sqrt(s1²/n1 + s2²/n2) (Welch). Written to RUN_DIR/ablate.json and RUN_DIR/ablate.md as well as printed.
+sqrt(s1²/n1 + s2²/n2) (Welch). Written to RUN_DIR/ablate.json and RUN_DIR/ablate.md as well as printed, and the
+held-out curves of every run with each preset's mean to RUN_DIR/ablate.png.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from services.mesh.config import MeshConfig
+from services.mesh.curves import Curve, plot_ablation
 from services.mesh.layout import RunLayout
 
 
@@ -117,7 +119,22 @@ def ablate(presets: list[Path], seeds: list[int], root: Path, *, steps: int | No
             results.append(RunResult(preset.stem, seed, *done))
     (root / "ablate.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     (root / "ablate.md").write_text(markdown(results) + "\n")
+    draw(root, presets, seeds)
     return results
+
+
+def eval_curves(run_dir: Path) -> tuple[Curve, Curve]:
+    """(held-out avg@k, mean response tokens) by policy version, from a run's evaluations."""
+    rows = [json.loads(x) for x in RunLayout(run_dir).metrics.read_text().splitlines() if x.strip()]
+    evals = sorted((r["policy_version"], r) for r in rows if r.get("kind") == "eval")
+    return ([(v, r["eval_acc"]) for v, r in evals],
+            [(v, r["eval_response_tokens"]) for v, r in evals if "eval_response_tokens" in r])  # fmt: skip
+
+
+def draw(root: Path, presets: list[Path], seeds: list[int]) -> Path:
+    """RUN_DIR/ablate.png: every run's held-out curve, and each preset's mean."""
+    runs = {p.stem: {s: eval_curves(run_dir_of(root, p, s)) for s in seeds} for p in presets}
+    return plot_ablation(runs, root / "ablate.png")
 
 
 def _run_mesh(cfg: MeshConfig) -> Any:

@@ -46,3 +46,37 @@ def plot(metrics: Path, out: Path) -> Path | None:
     plt.close(fig)
     tmp.replace(out)
     return out
+
+
+Curve = list[tuple[float, float]]  # (policy version, value)
+
+
+def plot_ablation(runs: dict[str, dict[int, tuple[Curve, Curve]]], out: Path) -> Path:
+    """`dapo-mesh ablate`'s figure: per preset and seed, held-out avg@k and mean response tokens by policy version
+    (thin: each seed; thick: the mean over the seeds at the versions they share)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (preset, seeds) in enumerate(runs.items()):
+        colour = colours[i % len(colours)]
+        for panel, ax in enumerate(axes):
+            curves = [dict(c[panel]) for c in seeds.values()]
+            for c in curves:
+                ax.plot(list(c), list(c.values()), color=colour, alpha=0.35, linewidth=1)
+            shared = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+            ax.plot(shared, [sum(c[v] for c in curves) / len(curves) for v in shared], color=colour, linewidth=2.5,
+                    marker="o", label=f"{preset} (mean of {len(curves)} seeds)")  # fmt: skip
+    for ax, title in zip(axes, ("held-out avg@k", "mean response tokens (held-out)"), strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("policy version")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(out)
+    return out

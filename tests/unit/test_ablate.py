@@ -58,6 +58,7 @@ def test_ablate_runs_what_is_missing_and_resumes(tmp_path: Path) -> None:
     assert [(r.preset, r.seed, r.final) for r in results] == [("dapo", 1, 0.5), ("dapo", 2, 0.22), ("grpo", 1, 0.21),
                                                               ("grpo", 2, 0.22)]  # fmt: skip
     assert (tmp_path / "ablate.md").read_text().startswith("| preset | seed |")
+    assert (tmp_path / "ablate.png").stat().st_size > 10_000  # every run's held-out curve, each preset's mean
     assert len(json.loads((tmp_path / "ablate.json").read_text())) == 4
 
 
