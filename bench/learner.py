@@ -10,7 +10,8 @@ the rate of a 2048x576 @ 576x1536 matmul in the same dtype on the same threads.
 The model: SmolLM2-135M's shapes (30 layers, hidden 576, vocab 49,152) with random weights (speed does not depend
 on the values), or `--model DIR`. The batch: 4 groups x 8 samples, 40-token prompts, responses of 6-96 tokens
 (mean ~30), as the learning run's.
-Run: `python -m bench.learner [--model DIR] [--dtype bf16 fp32]`.
+Run: `python -m bench.learner [--model DIR] [--dtype bf16 fp32] [--minibatches 2 4]` (the optimizer steps per batch:
+each is a DeepSpeed step over fp32 master weights, a fixed cost per step).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from bench.common import Result, print_table
 
-GROUPS, G, PROMPT, MINIBATCHES = 4, 8, 40, 2
+GROUPS, G, PROMPT = 4, 8, 40
 GEMM = (2048, 576, 1536)
 
 
@@ -102,15 +103,16 @@ def matmul_params(model: torch.nn.Module) -> int:
     return total if emb is head else total - emb.numel()
 
 
-def run(model_dir: Path | None = None, dtypes: tuple[str, ...] = ("bf16", "fp32"), repeats: int = 2) -> list[Result]:
+def run(model_dir: Path | None = None, dtypes: tuple[str, ...] = ("bf16", "fp32"), repeats: int = 2,
+        steps: tuple[int, ...] = (4,)) -> list[Result]:  # fmt: skip
     from learner.batching import minibatches, to_tensors
     from learner.settings import LearnerSettings
     from learner.trainer import Trainer
 
     model_dir = model_dir or smollm2_shaped(Path(tempfile.mkdtemp(prefix="dapo-bench-")) / "m")
     results = []
-    for dtype in dtypes:
-        s = LearnerSettings(model_dir=model_dir, minibatches=MINIBATCHES, warmup_batches=0, dtype=dtype)  # type: ignore[arg-type]
+    for dtype, mb in [(d, n) for d in dtypes for n in steps]:
+        s = LearnerSettings(model_dir=model_dir, minibatches=mb, warmup_batches=0, dtype=dtype)  # type: ignore[arg-type]
         trainer = Trainer(s)
         if trainer.dtype != dtype:
             print(f"bench.learner: {dtype} is not supported here, skipped")
@@ -121,19 +123,19 @@ def run(model_dir: Path | None = None, dtypes: tuple[str, ...] = ("bf16", "fp32"
         b = batch(trainer.engine.module.config.vocab_size)
         t = to_tensors(b, trainer.pad_id)
         micro = partial(trainer.micro, t=t)  # the same micro-batches as ours
-        trainer.train(b), _raw_step(raw_model, raw_opt, t, minibatches(len(t), MINIBATCHES), micro)  # warm-up
+        trainer.train(b), _raw_step(raw_model, raw_opt, t, minibatches(len(t), mb), micro)  # warm-up
         ours, raw = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
             trainer.train(b)
             ours.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            _raw_step(raw_model, raw_opt, t, minibatches(len(t), MINIBATCHES), micro)
+            _raw_step(raw_model, raw_opt, t, minibatches(len(t), mb), micro)
             raw.append(time.perf_counter() - t0)
         tokens = int(t.attention_mask.sum())
         flops = 8 * matmul_params(trainer.engine.module) * tokens  # 6·N·tokens trained + 2·N·tokens old log-probs
         rate = gemm_rate(tdt)
-        what = f"{dtype}, {len(t)} samples, {tokens} tokens, {MINIBATCHES} steps, {torch.get_num_threads()} threads"
+        what = f"{dtype}, {len(t)} samples, {tokens} tokens, {mb} steps, {torch.get_num_threads()} threads"
         results += [
             Result("learner", f"s/batch, {what}", min(ours), min(raw), "s",
                    "raw torch, same dtype: old-logp fwd + fwd/bwd + AdamW, same micro-batches", "≤ 1.15"),
@@ -147,8 +149,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    ap.add_argument("--minibatches", nargs="+", type=int, default=[4], help="optimizer steps per batch (presets: 4)")
     args = ap.parse_args()
-    print_table(run(args.model, tuple(args.dtype)))
+    print_table(run(args.model, tuple(args.dtype), steps=tuple(args.minibatches)))
 
 
 if __name__ == "__main__":
