@@ -12,7 +12,6 @@ bisected (`--until V`), and its updates debugged with the recorded inputs. The H
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,6 @@ from learner import checkpoint
 from learner.record import batches_dir, load_batch, read_settings, recorded
 from learner.settings import LearnerSettings
 from services.common.ledger import read_ledger
-
-log = logging.getLogger(__name__)
 
 
 def replay(batches: Path, model_dir: Path, out: Path, *, zero_stage: int | None = None, dtype: str | None = None,
