@@ -55,12 +55,17 @@ class Difference:
 
 def read_run(run_dir: Path) -> tuple[float, float, int] | None:
     """(final avg@k, best avg@k, version of the final evaluation) from a run's metrics.jsonl; None before any."""
-    path = RunLayout(run_dir).metrics
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    evals = sorted((r["policy_version"], r["eval_acc"]) for r in rows if r.get("kind") == "eval")
+    evals = [(v, r["eval_acc"]) for v, r in _evals(run_dir)]
     if not evals:
         return None
     return evals[-1][1], max(acc for _, acc in evals), evals[-1][0]
+
+
+def _evals(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(policy version, row) of a run's held-out evaluations, in version order; none before any."""
+    path = RunLayout(run_dir).metrics
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return sorted(((r["policy_version"], r) for r in rows if r.get("kind") == "eval"), key=lambda e: e[0])
 
 
 def _std(xs: list[float]) -> float:
@@ -125,8 +130,7 @@ def ablate(presets: list[Path], seeds: list[int], root: Path, *, steps: int | No
 
 def eval_curves(run_dir: Path) -> tuple[Curve, Curve]:
     """(held-out avg@k, mean response tokens) by policy version, from a run's evaluations."""
-    rows = [json.loads(x) for x in RunLayout(run_dir).metrics.read_text().splitlines() if x.strip()]
-    evals = sorted((r["policy_version"], r) for r in rows if r.get("kind") == "eval")
+    evals = _evals(run_dir)
     return ([(v, r["eval_acc"]) for v, r in evals],
             [(v, r["eval_response_tokens"]) for v, r in evals if "eval_response_tokens" in r])  # fmt: skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 PANELS = [  # (title, [(key in metrics.jsonl, label)])
     ("reward", [("reward_mean", "batch reward")]),
@@ -41,11 +42,7 @@ def plot(metrics: Path, out: Path) -> Path | None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(f"dapo-mesh run: {metrics.parent.name}")
-    tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+    return _save(fig, out)
 
 
 Curve = list[tuple[float, float]]  # (policy version, value)
@@ -75,6 +72,13 @@ def plot_ablation(runs: dict[str, dict[int, tuple[Curve, Curve]]], out: Path) ->
         ax.set_xlabel("policy version")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def _save(fig: Any, out: Path) -> Path:
+    """Written beside `out`, then renamed: a reader never sees half a PNG."""
+    import matplotlib.pyplot as plt
+
     tmp = out.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=90)
     plt.close(fig)
