@@ -100,6 +100,17 @@ def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: 
 N = 24
 
 
+def frozen_pending(client: redis.Redis, proc: subprocess.Popen[bytes], consumer: str) -> list[dict[str, object]]:
+    """Stop the process (SIGSTOP), let what it had already sent reach Redis, then read the entries it holds: a
+    reading taken while it runs can be stale by the time a signal lands (it may finish and acknowledge them)."""
+    proc.send_signal(signal.SIGSTOP)
+    stat = Path(f"/proc/{proc.pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.005)
+    time.sleep(0.2)  # a command written just before the stop is executed by Redis by now
+    return client.xpending_range(STREAM_PROMPTS, "rollout", "-", "+", 100, consumername=consumer)  # type: ignore[no-any-return]
+
+
 @pytest.mark.slow
 def test_two_replicas_share_and_a_killed_one_loses_nothing(model_dir: Path, reward_url: str,
                                                            server: EmbeddedRedis) -> None:  # fmt: skip
@@ -113,10 +124,12 @@ def test_two_replicas_share_and_a_killed_one_loses_nothing(model_dir: Path, rewa
             assert time.monotonic() < deadline, "the replicas did not start"
             time.sleep(0.1)  # both ready before any prompt exists: they will share the work
         StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(N))
-        while True:  # both replicas have published work, and "a" is holding prompts right now
-            held = client.xpending_range(STREAM_PROMPTS, "rollout", "-", "+", 100, consumername="a")
-            if {g.replica_id for g in groups(client)} == {"a", "b"} and held:
-                break
+        while True:  # both replicas have published work, and "a" is holding prompts when it dies
+            if {g.replica_id for g in groups(client)} == {"a", "b"}:
+                held = frozen_pending(client, a, "a")  # what it holds now cannot change: it is stopped
+                if held:
+                    break
+                a.send_signal(signal.SIGCONT)  # it was between two calls, holding nothing: let it read more
             assert time.monotonic() < deadline, "the replicas did not both take work"
             time.sleep(0.02)
         a.send_signal(signal.SIGKILL)  # mid-batch: it holds prompts it has not finished
