@@ -86,20 +86,22 @@ def load(engine: Any, run_dir: Path) -> LearnerState | None:
 
 
 def export_hf(engine: Any, hf_dir: Path, version: int, *, tokenizer: Any = None, keep: int = 2) -> Path:
-    """The current weights as an HF safetensors folder (gathered first under ZeRO-3)."""
+    """The current weights as an HF safetensors folder (gathered first under ZeRO-3: every rank calls this; rank 0
+    writes)."""
     import deepspeed
 
-    hf_dir.mkdir(parents=True, exist_ok=True)
     out = hf_dir / f"v{version:06d}"
     tmp = hf_dir / f".tmp-v{version:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
     module = engine.module
     params = list(module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
-        if engine.global_rank == 0:
-            module.save_pretrained(tmp, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
+        if engine.global_rank != 0:
+            return out
+        hf_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        module.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     _write_atomic(hf_dir / "latest", out.name)

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LOSS_METRICS = ("clip_frac_upper", "clip_frac_lower", "clip_frac_dual", "approx_kl", "ratio_mean")
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

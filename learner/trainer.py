@@ -27,8 +27,9 @@ import torch
 from learner.advantages import group_advantages
 from learner.batching import BatchTensors, minibatches, to_tensors, token_microbatches
 from learner.logprobs import chunked_logprobs
-from learner.loss import policy_loss, token_logprobs_and_entropy
+from learner.loss import LOSS_METRICS, policy_loss, token_logprobs_and_entropy
 from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights
+from learner.parallel import all_sum, share, world
 from learner.schedule import lr_factor
 from learner.settings import LearnerSettings
 from services.common.dtype import resolve_dtype
@@ -36,6 +37,7 @@ from services.common.redis_server import free_port
 from services.common.schemas import TrainBatch
 
 log = logging.getLogger(__name__)
+STEP_METRICS = (*LOSS_METRICS, "loss")  # averaged over a batch's micro-batches, weighted by their tokens
 
 
 def init_distributed(port: int = 0) -> None:
@@ -79,6 +81,10 @@ class Trainer:
         }
         # no scheduler for DeepSpeed to step at each optimizer step: the LR is set per batch (learner/schedule.py)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.rank, self.world = world()  # data-parallel ranks: learner/parallel.py
+        self._clip_norm = 0.0
+        if self.world > 1 and settings.zero_stage == 0 and self.dtype == "fp32":
+            self.engine.clip_fp32_gradients = self._clip_fp32  # the norm of the reduced gradients, for the metrics
         self.batches_done = 0  # the learner passes its version (batches in the weights) instead, restarts included
         self.device = self.engine.device
         self._entropy = 0.0
@@ -109,18 +115,24 @@ class Trainer:
         positions of `mask`, or of the responses, and 0 elsewhere), and the mean entropy over `mask` (the policy's
         entropy before this batch's updates)."""
         out = torch.zeros_like(t.behaviour_logp)
-        ent_sum, ent_n = 0.0, 0.0
+        ent = torch.zeros(2, dtype=torch.float64)  # entropy sum, token count
         wanted = t.response_mask if mask is None else mask
-        for idx in self.micro(torch.arange(len(t)), t):
+        units = self.micro(torch.arange(len(t)), t)
+        for idx in share(units, self.rank, self.world):  # this rank's micro-batches; the others' are summed in
+            if idx is None:
+                if self.s.zero_stage == 3:  # every forward gathers weights collectively: make as many as the others
+                    self._logprobs(t.select(units[0][:1]), wanted[units[0][:1]])
+                continue
             part = t.select(idx)
             only = wanted[idx, : part.input_ids.shape[1]]
-            logp, ent = self._logprobs(part, only, with_entropy=mask is not None)
+            logp, e = self._logprobs(part, only, with_entropy=mask is not None)
             out[idx, : logp.shape[1]] = logp.cpu()
-            if ent is not None:  # asked for only with a mask: `only` is that mask's part
+            if e is not None:  # asked for only with a mask: `only` is that mask's part
                 m = only.to(self.device)
-                ent_sum += float((ent * m).sum())
-                ent_n += float(m.sum())
-        return out, ent_sum / max(ent_n, 1.0)
+                ent += torch.tensor([float((e * m).sum()), float(m.sum())], dtype=torch.float64)
+        all_sum(out)
+        all_sum(ent)
+        return out, float(ent[0] / max(float(ent[1]), 1.0))
 
     def _logprobs(
         self, part: BatchTensors, only: torch.Tensor, with_entropy: bool = False
@@ -167,22 +179,24 @@ class Trainer:
         index = self.batches_done if version is None else version
         lr = self.set_lr(index)
         t = self.prepare(batch, version)
-        sums: dict[str, float] = {}
-        weight = 0.0
+        sums = torch.zeros(len(STEP_METRICS) + 1, dtype=torch.float64)  # token-weighted sums, then the tokens
         grad_norms = []
         for mb in minibatches(len(t), self.s.minibatches, generator=self.shuffle(index)):
             assert t.loss_mask is not None
-            tokens = float(t.loss_mask[mb].sum())
+            tokens = float(t.loss_mask[mb].sum())  # the whole mini-batch's, on every rank (each holds the batch)
             if tokens == 0:  # every sample of this mini-batch filtered out
                 continue
-            for idx in self.micro(mb, t):
-                m, n = self._micro_step(t.select(idx), tokens, len(mb), norm_len=t.input_ids.shape[1])
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v * n
-                weight += n
+            units = self.micro(mb, t)
+            for idx in share(units, self.rank, self.world):
+                part = t.select(units[0][:1] if idx is None else idx)  # None: zero-weighted, as many calls as others
+                m, n = self._micro_step(part, tokens, len(mb), norm_len=t.input_ids.shape[1], weight=idx is not None)
+                if idx is not None:
+                    sums += torch.tensor([m[k] * n for k in STEP_METRICS] + [n], dtype=torch.float64)
             grad_norms.append(self._step())
+        all_sum(sums)
         seconds = time.perf_counter() - t0
-        out = {k: v / weight for k, v in sums.items()} if weight else {}
+        weight = float(sums[-1])
+        out = {k: float(v) / weight for k, v in zip(STEP_METRICS, sums.tolist(), strict=False)} if weight else {}
         out |= {
             "seconds": seconds,
             "tokens_per_s": t.response_tokens / seconds,
@@ -212,6 +226,9 @@ class Trainer:
 
     def _step(self) -> float:
         """Optimizer step; returns the gradient norm before clipping."""
+        if self.s.zero_stage == 0 and self.dtype == "fp32" and self.world > 1:
+            self.engine.step()  # reduces over the ranks, then clips through _clip_fp32
+            return self._clip_norm
         if self.s.zero_stage == 0 and self.dtype == "fp32":  # DeepSpeed keeps no norm on this path: take it here
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -220,9 +237,20 @@ class Trainer:
         self.engine.step()
         return float(self.engine.get_global_grad_norm() or 0.0)
 
+    def _clip_fp32(self) -> None:
+        """DeepSpeed's fp32 clip (ZeRO-0 over several ranks: after the all-reduce), keeping the norm it found."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        engine = self.engine
+        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                               mpu=engine.mpu)  # fmt: skip
+        self._clip_norm = float(norm)
+
     def _micro_step(
-        self, part: BatchTensors, tokens: float, seqs: int, norm_len: int
+        self, part: BatchTensors, tokens: float, seqs: int, norm_len: int, weight: bool = True
     ) -> tuple[dict[str, float], float]:
+        """Forward and backward of one micro-batch. The loss is scaled by the world size (DeepSpeed averages the
+        ranks' gradients; each loss is already a share of the whole mini-batch's); `weight` False: by 0."""
         assert part.old_logp is not None and part.advantages is not None and part.loss_mask is not None
         logp = self._logprobs(part, part.loss_mask)[0]
         dev = self.device
@@ -232,7 +260,7 @@ class Trainer:
             global_tokens=tokens, global_seqs=seqs, norm_len=norm_len,
             is_weights=None if part.is_weights is None else part.is_weights.to(dev),
         )  # fmt: skip
-        self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.backward(loss * (self.world if weight else 0.0), scale_wrt_gas=False)
         m["loss"] = float(loss.detach()) * tokens / max(float(part.loss_mask.sum()), 1.0)  # this part's token-mean
         return m, float(part.loss_mask.sum())
 

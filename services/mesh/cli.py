@@ -221,15 +221,20 @@ def replay(
     zero_stage: Annotated[int | None, typer.Option(min=0, max=3, help="Default: the run's.")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto, bf16 or fp32; default: the run's.")] = None,
     until: Annotated[int | None, typer.Option(min=1, help="Stop before the batch trained at this version.")] = None,
+    nproc: Annotated[int, typer.Option(min=1, help="Data-parallel learner ranks on this machine (torchrun).")] = 1,
 ) -> None:
     """Train a run's recorded batches again, in order, with its update settings, and write the final weights:
-    reproduce a run, bisect it (--until), debug an update with its own inputs."""
+    reproduce a run, bisect it (--until), debug an update with its own inputs, check N ranks against one."""
     from learner.replay import replay as run_replay
 
     try:
-        path = run_replay(batches, model_dir, out, zero_stage=zero_stage, dtype=dtype, until=until, say=console.print)
+        path = run_replay(batches, model_dir, out, zero_stage=zero_stage, dtype=dtype, until=until, nproc=nproc,
+                          say=console.print)  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e)) from None
+    except RuntimeError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(1) from None
     console.print(f"weights: {path}")
 
 

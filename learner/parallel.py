@@ -1,0 +1,76 @@
+"""Data parallelism of the learner: N ranks take exactly the step one rank would.
+
+    units = trainer.micro(mini_batch, tensors)      # the micro-batches one rank would run, in order
+    for idx in share(units, rank, world):           # this rank's: round-robin, padded with None to equal counts
+        ...                                         # None: a zero-weighted micro-batch (keeps collectives aligned)
+
+Every rank holds the whole TrainBatch (rank 0 reads it, the others get its msgpack bytes: `broadcast_bytes`), so the
+advantages (per group), the mini-batch shuffle and each mini-batch's token count (DAPO's token-mean denominator)
+are the whole batch's on every rank. Only the micro-batches are split. Two rules make the split exact:
+
+- **Equal micro-batch counts.** ZeRO-2/3 reduce gradients inside each backward and ZeRO-3 gathers weights inside
+  each forward: every rank must make the same calls. A rank with fewer micro-batches runs a real one with its loss
+  multiplied by 0 (gradients 0, the same collectives).
+- **Loss x world size.** DeepSpeed averages gradients over ranks; the loss is already normalised by the whole
+  mini-batch's tokens, so each rank's loss is scaled by N and the average is the sum one rank would have.
+
+Proximal log-probs are computed on each rank for its micro-batches and summed (all-reduce) into the whole batch's,
+so the off-policy weights, masks and gap metrics are the whole batch's everywhere too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without a process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def share(units: Sequence[T], rank: int, size: int) -> list[T | None]:
+    """Rank `rank`'s units of `units` (round-robin: i ≡ rank mod size), padded with None so that every rank gets
+    ceil(len / size) of them."""
+    per_rank = -(-len(units) // size) if units else 0
+    mine: list[T | None] = list(units[rank::size])
+    return mine + [None] * (per_rank - len(mine))
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """The element-wise sum over ranks (in place; the tensor itself with one rank)."""
+    if world()[1] > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """`data` from rank `src` on every rank: its length, then its bytes as a uint8 tensor (no pickle)."""
+    rank, size = world()
+    if size == 1:
+        assert data is not None
+        return data
+    n = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.long)
+    dist.broadcast(n, src)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == src and data else torch.empty(
+        int(n), dtype=torch.uint8)  # fmt: skip
+    if int(n):
+        dist.broadcast(buf, src)
+    return buf.numpy().tobytes()
+
+
+def check_ranks(rows: int, minibatches: int, size: int) -> None:
+    """More ranks than samples in a mini-batch leave ranks with only zero-weighted work: a setting error."""
+    per_minibatch = rows // max(1, min(minibatches, rows))
+    if size > per_minibatch:
+        raise ValueError(
+            f"{size} learner ranks but {per_minibatch} samples per mini-batch ({rows} samples / minibatches "
+            f"{minibatches}): use at most {per_minibatch} ranks or fewer minibatches"
+        )
