@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from learner.parallel import barrier
+
 log = logging.getLogger(__name__)
 
 
@@ -56,6 +58,9 @@ def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2) -> s
     ckpt_dir = run_dir / "checkpoints"
     tag = f"v{state.version:06d}"
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"dapo": asdict(state)})
+    barrier()  # N ranks: every rank's shard is written before rank 0 names the checkpoint (and acknowledges)
+    if engine.global_rank != 0:
+        return tag
     _write_atomic(run_dir / "state.json", json.dumps(asdict(state) | {"tag": tag}))
     tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("v"))
     for old in tags[:-keep]:

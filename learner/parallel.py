@@ -51,6 +51,12 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def barrier() -> None:
+    """Every rank has come here (nothing with one rank)."""
+    if world()[1] > 1:
+        dist.barrier()
+
+
 def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
     """`data` from rank `src` on every rank: its length, then its bytes as a uint8 tensor (no pickle)."""
     rank, size = world()

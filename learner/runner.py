@@ -11,11 +11,13 @@ learner's again; then trains one batch per `Learner.step()` (learner/service.py)
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from learner import checkpoint, record
 from learner.checkpoint import LearnerState
 from learner.metrics import LearnerMetrics
+from learner.ranks import Leader, follow
 from learner.service import Learner
 from learner.settings import LearnerSettings
 from learner.trainer import Trainer
@@ -29,12 +31,15 @@ log = logging.getLogger(__name__)
 
 def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
     s = settings
+    if int(os.environ.get("RANK", "0")) > 0:
+        return run_follower(s)
     sender: WeightSender | None = None
     with ServiceProcess("learner", s, loading="loading the model") as proc:
         try:
             metrics = LearnerMetrics(proc.registry)
             place(s.cpu_cores, s.threads, log)
             trainer = Trainer(s)
+            ranks = Leader(trainer)
             s.run_dir.mkdir(parents=True, exist_ok=True)
             if s.record_batches:
                 record.record_settings(s.run_dir, s)
@@ -43,14 +48,16 @@ def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
             metrics.policy_version.set(state.version)
             if s.weight_sync == "broadcast":
                 zero3 = trainer.engine.zero_optimization_stage() == 3
-                sender = WeightSender(s, proc.client, trainer.engine.module, proc.registry, zero3=zero3)
+                sender = WeightSender(s, proc.client, trainer.engine.module, proc.registry, zero3=zero3,
+                                      gather=ranks.gather)  # fmt: skip
                 sender.publish(state.version, step=state.step)  # replicas serve exactly the weights we resume from
-            learner = Learner(s, proc.client, trainer, state, metrics, sender)
+            learner = Learner(s, proc.client, trainer, state, metrics, sender, ranks)
             learner.raise_batch_ids()
             proc.ready_when(lambda: (True, "model loaded"))
             while not stop.is_set() and not learner.finished:
                 learner.step()
             learner.close()  # not on an exception: a batch half-trained must not reach a checkpoint
+            ranks.stop()
             if s.hold_after_max and not stop.is_set():
                 log.info("trained %d batches; holding (metrics, weight sync) until stopped", learner.trained_now)
                 stop.wait()
@@ -58,3 +65,14 @@ def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
         finally:
             if sender is not None:
                 sender.close()
+
+
+def run_follower(s: LearnerSettings) -> LearnerState:
+    """Rank > 0 of a multi-rank learner: no Redis, no HTTP; rank 0's collective steps until it stops (a SIGTERM
+    here is ignored: rank 0, which torchrun signals too, finishes its batch and checkpoints with this rank)."""
+    place(s.cpu_cores, s.threads, log)
+    trainer = Trainer(s)
+    state = checkpoint.load(trainer.engine, s.run_dir) or LearnerState()
+    log.info("rank %d of %d: following rank 0 from version %d", trainer.rank, trainer.world, state.version)
+    follow(trainer, s.run_dir)
+    return state

@@ -21,9 +21,10 @@ from typing import Any
 
 import redis
 
-from learner import checkpoint, record
+from learner import record
 from learner.checkpoint import LearnerState
 from learner.metrics import LearnerMetrics
+from learner.ranks import Leader
 from learner.settings import LearnerSettings
 from learner.trainer import Trainer
 from learner.weight_sync import WeightSender
@@ -47,8 +48,9 @@ log = logging.getLogger(__name__)
 
 class Learner:
     def __init__(self, s: LearnerSettings, client: redis.Redis, trainer: Trainer, state: LearnerState,
-                 metrics: LearnerMetrics, sender: WeightSender | None = None):  # fmt: skip
+                 metrics: LearnerMetrics, sender: WeightSender | None = None, ranks: Leader | None = None):  # fmt: skip
         self.s, self.client, self.trainer, self.state, self.m, self.sender = s, client, trainer, state, metrics, sender
+        self.ranks = ranks or Leader(trainer)  # every collective step goes through it (N ranks: learner/ranks.py)
         self.consumer = StreamConsumer(
             client, STREAM_BATCHES, GROUP_LEARNER, s.consumer_name, TrainBatch,
             claim_idle_ms=s.claim_idle_ms, max_deliveries=s.max_deliveries, registry=metrics.registry,
@@ -67,7 +69,10 @@ class Learner:
         """Train at most one batch (waits up to a second for one)."""
         groups = stream_stats(self.client, STREAM_BATCHES).groups
         self.m.batches_pending.set(sum((g.lag or 0) + g.pending for g in groups if g.name == GROUP_LEARNER))
-        for d in self.consumer.read(count=1, block_ms=1000):
+        got = self.consumer.read(count=1, block_ms=1000)
+        if not got:
+            self.ranks.idle()  # the other ranks wait for a command: one at least every second
+        for d in got:
             # by content, not by id: a redelivery or a retried XADD is the same batch; a batch id handed out again
             # (a Redis that lost its last writes) is another batch, and is trained
             digest = d.message.digest()
@@ -114,7 +119,7 @@ class Learner:
         batch = self.fresh_part(d)
         if batch is None:
             return
-        m: dict[str, Any] = self.trainer.train(batch, version=state.version)
+        m: dict[str, Any] = self.ranks.train(batch, version=state.version)
         if s.record_batches:  # before the update is reported anywhere: a replay holds every update the run made
             record.record_batch(s.run_dir, state.version, batch)
         lag = max(0, state.version - batch.min_version)
@@ -123,8 +128,7 @@ class Learner:
         self.m.record(m, state.version, lag)
         snapshot = None
         if s.hf_export:  # for late joiners, and the filesystem transport: replicas reload hf/latest
-            snapshot = checkpoint.export_hf(self.trainer.engine, s.run_dir / "hf", state.version,
-                                            tokenizer=self.trainer.tokenizer, keep=s.keep_checkpoints + 1)  # fmt: skip
+            snapshot = self.ranks.export(s.run_dir / "hf", state.version, keep=s.keep_checkpoints + 1)
         self.client.set(KEY_POLICY_VERSION, state.version)
         if self.sender is not None:
             wv = self.sender.publish(state.version, step=state.step, batch_id=batch.batch_id,
@@ -148,7 +152,7 @@ class Learner:
     def commit(self) -> None:
         """Checkpoint, then acknowledge the batches the checkpoint holds, then trim the stream."""
         t0 = time.perf_counter()
-        checkpoint.save(self.trainer.engine, self.s.run_dir, self.state, keep=self.s.keep_checkpoints)
+        self.ranks.save(self.s.run_dir, self.state, keep=self.s.keep_checkpoints)  # every rank's shard, then on
         self.m.checkpoint_seconds.observe(time.perf_counter() - t0)
         self.consumer.ack(*self.unacked)
         self.unacked.clear()

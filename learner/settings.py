@@ -113,6 +113,12 @@ class LearnerSettings(ServiceSettings, RedisSettings):
         "`dapo-mesh replay` trains them again offline.",
     )
     dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port for a single process (0: free).")
+    dist_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="N ranks: the longest a rank waits in a collective (the other ranks wait in one while rank 0 "
+        "exports, syncs the replicas and checkpoints); a dead rank fails the others after it at most.",
+    )
 
     @model_validator(mode="after")
     def _reweight_needs_a_correction(self) -> Self:

@@ -40,15 +40,18 @@ log = logging.getLogger(__name__)
 STEP_METRICS = (*LOSS_METRICS, "loss")  # averaged over a batch's micro-batches, weighted by their tokens
 
 
-def init_distributed(port: int = 0) -> None:
-    """A one-process world unless a launcher (torchrun, deepspeed) already described one."""
+def init_distributed(port: int = 0, timeout_s: float = 600.0) -> None:
+    """A one-process world unless a launcher (torchrun, deepspeed) already described one. No collective waits
+    longer than `timeout_s` (a dead rank fails the others instead of hanging them)."""
+    import datetime
+
     import deepspeed
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(port or free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class Trainer:
@@ -58,7 +61,7 @@ class Trainer:
 
         self.s = settings
         self.dtype = resolve_dtype(settings.dtype, log)
-        init_distributed(settings.dist_port)
+        init_distributed(settings.dist_port, settings.dist_timeout_s)
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(
                 settings.model_dir, dtype=torch.float32, attn_implementation=settings.attention

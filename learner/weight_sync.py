@@ -90,10 +90,21 @@ class Quarantine:
         self.until_ts = stamp + min(QUARANTINE_MAX_S, 2.0**self.failures)
 
 
+Gather = Callable[[list[int], list[torch.nn.Parameter]], Any]  # (positions in the module, parameters) -> a context
+
+
+def zero3_gather(index: list[int], params: list[torch.nn.Parameter]) -> Any:
+    """The full values of ZeRO-3-partitioned `params` while in the context (every rank of the learner enters it)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
 class WeightSender:
     def __init__(self, s: Any, client: redis.Redis, module: torch.nn.Module, registry: CollectorRegistry, *,
-                 zero3: bool = False):  # fmt: skip
+                 zero3: bool = False, gather: Gather | None = None):  # fmt: skip
         self.s, self.client, self.module, self.zero3 = s, client, module, zero3
+        self.gather = gather or zero3_gather  # ZeRO-3 on N ranks: learner/ranks.py's, which the other ranks join
         self.m = SyncMetrics(registry)
         self.timeout_s: float = s.sync_timeout_s
         self.params = [(n, p) for n, p in module.named_parameters()]
@@ -308,11 +319,7 @@ class WeightSender:
         dt, idx = self.manifest.buckets[b]
         buf = self.send_buffers[dt][: self.manifest.bucket_numel(b)]
         params = [self.params[i][1] for i in idx]
-        gather: Any = contextlib.nullcontext()
-        if self.zero3:
-            import deepspeed
-
-            gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        gather = self.gather(idx, params) if self.zero3 else contextlib.nullcontext()
         with torch.no_grad(), gather:
             off = 0
             for p in params:

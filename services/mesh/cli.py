@@ -378,6 +378,7 @@ def up(
     placement: Annotated[
         str | None, typer.Option(help="split (learner and replicas on their own cores) or shared (default: split).")
     ] = None,
+    learner_ranks: Annotated[int, typer.Option(help="Data-parallel learner processes (torchrun).")] = 1,
 ) -> None:
     """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
     from pydantic import ValidationError
@@ -388,7 +389,8 @@ def up(
     if check:
         _check(redis_url, run_dir)
         return
-    given = {"redis_url": redis_url, "replicas": replicas, "linger_s": linger_s, "transport": transport}
+    given = {"redis_url": redis_url, "replicas": replicas, "linger_s": linger_s, "transport": transport,
+             "learner_ranks": learner_ranks}  # fmt: skip
     given |= {"steps": steps} if steps else {}
     given |= {} if eval_every is None else {"eval_every": eval_every}
     given |= {} if tiny else {"engine": engine}  # --tiny: the HF engine

@@ -26,9 +26,9 @@ import difflib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.common.launch import ROOT
 
@@ -81,7 +81,21 @@ class MeshConfig(BaseModel):
         description="split: the learner pinned to the first half of the cores, the replicas' threads to the other "
         "half (measured: README, Benchmarks); shared: every service on every core, the learner on 1 thread.",
     )
+    learner_ranks: int = Field(
+        1, ge=1, description="Data-parallel learner processes (torchrun, one machine): rank 0 serves, all train."
+    )
     extra: dict[Service, list[str]] = Field(default_factory=dict, description="More flags per service.")
+
+    @model_validator(mode="after")
+    def _ranks_have_samples(self) -> Self:
+        per_minibatch = max(1, self.batch_size * self.n_samples // self.minibatches)
+        if self.learner_ranks > per_minibatch:
+            raise ValueError(
+                f"learner_ranks {self.learner_ranks} > {per_minibatch} samples per mini-batch (batch_size "
+                f"{self.batch_size} x n_samples {self.n_samples} / minibatches {self.minibatches}): every rank needs "
+                "samples of each mini-batch"
+            )
+        return self
 
     @classmethod
     def from_preset(cls, path: Path, **overrides: Any) -> MeshConfig:
