@@ -11,23 +11,27 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner.record import record_batch, record_settings
+from learner.record import load_batch, record_batch, record_settings, recorded
 from learner.settings import LearnerSettings
 from learner.tiny import group, tiny_llama
 from services.common.launch import ROOT, child_env
-from services.common.schemas import TrainBatch
+from services.common.redis_server import EmbeddedRedis, free_port
+from services.common.schemas import ReplicaHeartbeat, TrainBatch, WeightVersion
+from services.common.streams import REPLICA_KEY_PREFIX, STREAM_BATCHES, StreamProducer, connect, unpack
+from services.common.weights import KEY_WEIGHTS, Buckets, Manifest, checksum, total
 
 
 @pytest.fixture(scope="module")
 def recorded_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("ranks")
-    model = tiny_llama(root / "model")
+    model = tiny_llama(root / "model", tokenizer=True)  # the replica needs one
     s = LearnerSettings(model_dir=model, run_dir=root / "run", minibatches=2, micro_batch_size=3, micro_batch_tokens=0,
                         lr=1e-3, warmup_batches=0, dtype="fp32", seed=3, off_policy="token-tis")  # fmt: skip
     record_settings(root / "run", s)
@@ -74,3 +78,60 @@ def test_more_ranks_than_samples_per_minibatch_is_a_clear_error(recorded_run: tu
     text = " ".join((done.stdout + done.stderr).split())
     assert "9 learner ranks but 8 samples per mini-batch" in text and "minibatches" in text
     assert not (tmp_path / "out").exists()  # refused before any rank started
+
+
+def snapshot_checksum(folder: Path, bucket_mb: float) -> int:
+    """The weight-sync checksum of an HF snapshot, packed as the learner packs its parameters (independent of it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    named = dict(model.named_parameters())
+    manifest = Manifest.plan([(n, p.dtype, tuple(p.shape)) for n, p in named.items()], int(bucket_mb * 2**20))
+    b = Buckets(manifest)
+    with torch.no_grad():
+        for name, view in b.named():
+            view.copy_(named[name])
+    return total([checksum(buf) for buf in b.buffers])
+
+
+@pytest.mark.slow
+def test_a_two_rank_zero3_learner_sends_its_gathered_weights_to_a_replica(recorded_run: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    """Rank 0 sends; under ZeRO-3 it holds a shard only, so every bucket is gathered with rank 1 taking part (a
+    rank that did not join would hang the gather: the learner would time out). The replica serves what a separate
+    gather, the HF snapshot, holds: the same checksum."""
+    model, run = recorded_run
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        client = connect(server.url)
+        StreamProducer(client, STREAM_BATCHES).publish_many(load_batch(p) for _, p in recorded(run / "batches"))
+        rollout = ["--engine", "hf", "--dtype", "fp32", "--model-dir", str(model), "--redis-url", server.url,
+                   "--port", str(free_port()), "--reward-url", "http://127.0.0.1:9", "--replica-id", "r",
+                   "--sync-broadcast", "--heartbeat-ttl-s", "3"]  # fmt: skip
+        replica = subprocess.Popen([sys.executable, "-m", "rollout", *rollout], env=child_env(OMP_NUM_THREADS="1"),
+                                   cwd=ROOT)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while (raw := client.get(REPLICA_KEY_PREFIX + "r")) is None or unpack(
+                raw, ReplicaHeartbeat
+            ).state != "ready":
+                assert time.monotonic() < deadline and replica.poll() is None, "the replica did not start"
+                time.sleep(0.2)
+            args = ["--model-dir", str(model), "--run-dir", str(tmp_path / "learner"), "--redis-url", server.url,
+                    "--port", str(free_port()), "--minibatches", "2", "--micro-batch-size", "3", "--micro-batch-tokens",
+                    "0", "--lr", "1e-3", "--warmup-batches", "0", "--dtype", "fp32", "--zero-stage", "3",
+                    "--sync-port", "0", "--sync-bucket-mb", "0.05", "--max-batches", "3"]  # fmt: skip
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "learner",
+                   *args]  # fmt: skip
+            done = subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=300, capture_output=True,
+                                  text=True)  # fmt: skip
+            assert done.returncode == 0, done.stderr[-4000:]
+            wv = unpack(client.get(KEY_WEIGHTS), WeightVersion)
+            hb = unpack(client.get(REPLICA_KEY_PREFIX + "r"), ReplicaHeartbeat)
+        finally:
+            replica.terminate()
+            replica.wait(60)
+    assert "rank 1 of 2: following rank 0" in done.stderr
+    assert (wv.version, wv.replicas) == (3, ["r"])
+    assert (hb.weight_version, hb.weight_checksum) == (3, wv.checksum)  # the replica verified and serves version 3
+    assert wv.checksum == snapshot_checksum(tmp_path / "learner" / "hf" / "v000003", 0.05)
+    assert wv.checksum != snapshot_checksum(model, 0.05)  # the weights moved
