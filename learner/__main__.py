@@ -1,5 +1,6 @@
 """python -m learner [--model-dir DIR] [--zero-stage 0] ...  (every flag also as env DAPO_*)."""
 
+import os
 import signal
 import sys
 import threading
@@ -10,7 +11,12 @@ def main(argv: list[str] | None = None) -> None:
     from services.common.logs import configure_logging
     from services.common.settings import load_settings
 
-    settings = load_settings(LearnerSettings, sys.argv[1:] if argv is None else argv, prog="python -m learner")
+    args = sys.argv[1:] if argv is None else argv
+    settings = load_settings(LearnerSettings, args, prog="python -m learner")
+    if settings.ranks > 1 and "RANK" not in os.environ:  # become the torchrun agent of `ranks` learner processes
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.ranks}",
+                    "--max-restarts=0"]  # fmt: skip  # a rank that dies stops all: the supervisor restarts the learner
+        os.execv(sys.executable, [sys.executable, *launcher, "-m", "learner", *args])
     configure_logging("learner", settings)
     stop = threading.Event()  # SIGTERM / Ctrl-C: finish the batch, checkpoint, acknowledge, exit
     for sig in (signal.SIGTERM, signal.SIGINT):

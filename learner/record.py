@@ -32,7 +32,7 @@ PLACE_FIELDS = {
     "model_dir", "run_dir", "threads", "cpu_cores", "checkpoint_every", "keep_checkpoints", "hf_export",
     "weight_sync", "sync_host", "sync_bind_host", "sync_secret", "sync_port", "sync_timeout_s", "sync_bucket_mb",
     "keep_batches", "consumer_name", "claim_idle_ms", "max_deliveries", "hold_after_max", "dist_port",
-    "dist_timeout_s", "record_batches", "zero_stage",
+    "dist_timeout_s", "ranks", "record_batches", "zero_stage",
 } | set(ServiceSettings.model_fields) | set(RedisSettings.model_fields)  # fmt: skip
 
 

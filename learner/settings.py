@@ -112,6 +112,12 @@ class LearnerSettings(ServiceSettings, RedisSettings):
         description="Write every batch as trained to run_dir/batches/<version>.msgpack (and the update settings): "
         "`dapo-mesh replay` trains them again offline.",
     )
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel ranks on this machine: the learner execs torchrun with this many processes (rank 0 "
+        "serves; all train). Across machines run torchrun yourself (--nnodes): README, Learner on N ranks.",
+    )
     dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port for a single process (0: free).")
     dist_timeout_s: float = Field(
         600.0,

@@ -33,7 +33,6 @@ class ServiceCommand:
     name: str  # reward, buffer, learner, rollout-0, rollout-1, ...
     args: tuple[str, ...]  # after `python -m <module>`
     env: dict[str, str] = field(default_factory=dict)  # added to the mesh's own environment
-    ranks: int = 1  # >1: started by torchrun, this many processes (the learner)
 
     @property
     def service(self) -> Service:
@@ -45,10 +44,6 @@ class ServiceCommand:
         return MODULES[self.service]
 
     def argv(self, python: str = sys.executable) -> list[str]:
-        if self.ranks > 1:  # one torchrun agent: a rank that dies stops the others and the agent (the mesh restarts it)
-            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}",
-                        "--max-restarts=0"]  # fmt: skip
-            return [python, *launcher, "-m", self.module, *self.args]
         return [python, "-m", self.module, *self.args]
 
 
@@ -72,7 +67,7 @@ def service_commands(
         "learner": ["--model-dir", str(model_dir), "--run-dir", str(run.learner), "--max-batches", str(cfg.steps),
                     "--minibatches", str(cfg.minibatches), "--lr", str(cfg.lr), "--dtype", cfg.dtype,
                     "--weight-sync", "broadcast" if broadcast else "none", "--sync-port", str(ports[SYNC_PORT]),
-                    "--max-staleness", str(cfg.max_staleness), "--hold-after-max"],
+                    "--max-staleness", str(cfg.max_staleness), "--hold-after-max", "--ranks", str(cfg.learner_ranks)],
     }  # fmt: skip
     for i in range(cfg.replicas):
         flags[f"rollout-{i}"] = [
@@ -94,8 +89,8 @@ def service_commands(
         for i in range(cfg.replicas):
             flags[f"rollout-{i}"] += ["--cpu-cores", cores[1]]
     env = {"DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
-    return [ServiceCommand(name, ("--port", str(ports[name]), *flags[name], *cfg.extra.get(_service(name), [])), env,
-                           cfg.learner_ranks if name == "learner" else 1) for name in service_names(cfg)]  # fmt: skip
+    return [ServiceCommand(name, ("--port", str(ports[name]), *flags[name], *cfg.extra.get(_service(name), [])), env)
+            for name in service_names(cfg)]  # fmt: skip
 
 
 def split_cores(cores: set[int] | None = None) -> tuple[str, str] | None:

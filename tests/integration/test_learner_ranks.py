@@ -119,11 +119,9 @@ def test_a_two_rank_zero3_learner_sends_its_gathered_weights_to_a_replica(record
             args = ["--model-dir", str(model), "--run-dir", str(tmp_path / "learner"), "--redis-url", server.url,
                     "--port", str(free_port()), "--minibatches", "2", "--micro-batch-size", "3", "--micro-batch-tokens",
                     "0", "--lr", "1e-3", "--warmup-batches", "0", "--dtype", "fp32", "--zero-stage", "3",
-                    "--sync-port", "0", "--sync-bucket-mb", "0.05", "--max-batches", "3"]  # fmt: skip
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "learner",
-                   *args]  # fmt: skip
-            done = subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=300, capture_output=True,
-                                  text=True)  # fmt: skip
+                    "--sync-port", "0", "--sync-bucket-mb", "0.05", "--max-batches", "3", "--ranks", "2"]  # fmt: skip
+            done = subprocess.run([sys.executable, "-m", "learner", *args], env=child_env(OMP_NUM_THREADS="1"),
+                                  cwd=ROOT, timeout=300, capture_output=True, text=True)  # fmt: skip
             assert done.returncode == 0, done.stderr[-4000:]
             wv = unpack(client.get(KEY_WEIGHTS), WeightVersion)
             hb = unpack(client.get(REPLICA_KEY_PREFIX + "r"), ReplicaHeartbeat)

@@ -142,3 +142,14 @@ def test_up_refuses_a_wrong_transport_before_starting_anything(tmp_path: Path) -
     assert r.exit_code == 2
     assert "transport: Input should be 'broadcast' or 'filesystem'" in " ".join(r.output.split())
     assert not any(tmp_path.iterdir())  # no model, no Redis, no logs
+
+
+def test_learner_ranks_reach_the_learner_and_too_many_are_refused_by_name(tmp_path: Path) -> None:
+    cfg = MeshConfig.tiny_preset(tmp_path).model_copy(update={"learner_ranks": 2})
+    cmds = {c.name: c for c in service_commands(cfg, MODEL, URL, ports(cfg))}
+    assert parsed(cmds["learner"]).ranks == 2 and parsed(cmds["rollout-0"]).replica_id == "rollout-0"
+    with pytest.raises(ValidationError, match=r"learner_ranks 9 > 8 samples per mini-batch \(batch_size 4 x n_samples"):
+        MeshConfig(batch_size=4, n_samples=4, minibatches=2, learner_ranks=9)
+    result = CliRunner().invoke(app, ["up", "--tiny", "--learner-ranks", "9", "--run-dir", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "learner_ranks 9" in " ".join(result.output.split())
+    assert not (tmp_path / "r").exists()  # refused before anything started
