@@ -11,6 +11,7 @@ rank, in `follow`, receives it and takes the same step:
     export   the HF snapshot of a version                       ZeRO-3: gathered on every rank, written by rank 0
     save     a checkpoint with the learner's state              every rank writes its shard, then all meet (barrier)
     gather   the parameters of one weight-sync bucket           ZeRO-3: all-gathered for rank 0 to send
+    start    the version rank 0 resumed from                    each rank checks it loaded the same checkpoint
     idle     nothing (rank 0 waited for a batch)                keeps the followers' wait under the group timeout
     stop     rank 0 is done
 
@@ -69,6 +70,10 @@ class Leader:
         self.tell("gather", index=index)
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
+    def start(self, version: int) -> None:
+        """After every rank loaded the newest checkpoint: the version rank 0 resumes from, which each rank checks."""
+        self.tell("start", version=version)
+
     def idle(self) -> None:
         self.tell("idle")
 
@@ -76,10 +81,16 @@ class Leader:
         self.tell("stop")
 
 
-def follow(trainer: Trainer, run_dir: Path) -> int:
-    """A rank > 0: take rank 0's collective steps until it says stop; the number of batches trained."""
+def follow(trainer: Trainer, run_dir: Path, version: int) -> int:
+    """A rank > 0 that loaded `version`: take rank 0's collective steps until it says stop; the batches trained."""
     import deepspeed
 
+    first = msgpack.unpackb(broadcast_bytes(None))
+    if first != {"op": "start", "version": version}:
+        raise RuntimeError(
+            f"rank {trainer.rank} resumed from version {version}, rank 0 from {first.get('version')}: every rank must "
+            f"see the same checkpoints ({run_dir / 'checkpoints'}: one shared directory, e.g. a ReadWriteMany volume)"
+        )
     params = list(trainer.engine.module.parameters())
     trained = 0
     while True:

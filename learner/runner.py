@@ -14,6 +14,8 @@ import logging
 import os
 import threading
 
+from prometheus_client import CollectorRegistry
+
 from learner import checkpoint, record
 from learner.checkpoint import LearnerState
 from learner.metrics import LearnerMetrics
@@ -25,6 +27,7 @@ from learner.weight_sync import WeightSender
 from services.common.placement import place
 from services.common.process import ServiceProcess
 from services.common.streams import KEY_POLICY_VERSION
+from services.common.web import create_app, serve_in_thread
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
             if s.record_batches:
                 record.record_settings(s.run_dir, s)
             state = checkpoint.load(trainer.engine, s.run_dir) or LearnerState()
+            ranks.start(state.version)
             proc.client.set(KEY_POLICY_VERSION, state.version)  # a crash may have left a newer version that was lost
             metrics.policy_version.set(state.version)
             if s.weight_sync == "broadcast":
@@ -71,8 +75,17 @@ def run_follower(s: LearnerSettings) -> LearnerState:
     """Rank > 0 of a multi-rank learner: no Redis, no HTTP; rank 0's collective steps until it stops (a SIGTERM
     here is ignored: rank 0, which torchrun signals too, finishes its batch and checkpoints with this rank)."""
     place(s.cpu_cores, s.threads, log)
-    trainer = Trainer(s)
-    state = checkpoint.load(trainer.engine, s.run_dir) or LearnerState()
-    log.info("rank %d of %d: following rank 0 from version %d", trainer.rank, trainer.world, state.version)
-    follow(trainer, s.run_dir)
-    return state
+    status: list[tuple[bool, str]] = [(False, "loading the model")]
+    server = None
+    if os.environ.get("LOCAL_RANK") == "0":  # the first rank of another node (a pod of its own): its probes' answer
+        server = serve_in_thread(create_app("learner", s, CollectorRegistry(), ready=lambda: status[-1]), s)
+    try:
+        trainer = Trainer(s)
+        state = checkpoint.load(trainer.engine, s.run_dir) or LearnerState()
+        log.info("rank %d of %d: following rank 0 from version %d", trainer.rank, trainer.world, state.version)
+        status.append((True, f"rank {trainer.rank} following rank 0"))
+        follow(trainer, s.run_dir, state.version)
+        return state
+    finally:
+        if server is not None:
+            server.should_exit = True

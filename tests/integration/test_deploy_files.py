@@ -348,6 +348,36 @@ def test_pods_are_locked_down(overlay: str) -> None:
 
 
 @needs["kubectl"]
+def test_the_learner_on_n_nodes_is_one_consistent_group() -> None:
+    """components/learner-ranks: N pods that start together, one torchrun node each (pod index = node rank),
+    sharing one checkpoint directory, reaching each other, and drained one at a time."""
+    docs = build("gpu-learner-ranks")
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    sts = by[("StatefulSet", "learner")]["spec"]
+    n = sts["replicas"]
+    c = sts["template"]["spec"]["containers"][0]
+    args = dict(a.removeprefix("--").split("=", 1) for a in c["args"][: c["args"].index("-m")])
+    assert n >= 2 and sts["podManagementPolicy"] == "Parallel"
+    assert args["nnodes"] == str(n) and args["node-rank"] == "$(POD_INDEX)"
+    assert args["master-addr"] == "learner-0.learner"
+    assert c["args"][c["args"].index("-m") + 1] == "learner" and "--dtype=bf16" in c["args"]  # the GPU overlay's too
+    index = next(e for e in c["env"] if e["name"] == "POD_INDEX")
+    assert index["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    claim = next(v for v in sts["template"]["spec"]["volumes"] if v["name"] == "shared")
+    pvc = by[("PersistentVolumeClaim", claim["persistentVolumeClaim"]["claimName"])]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and pvc["metadata"]["namespace"] == "dapo"
+    assert {"name": "shared", "mountPath": "/data/learner"} in c["volumeMounts"]
+    assert sts["template"]["spec"]["terminationGracePeriodSeconds"] >= 120  # a checkpoint finishes
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"  # one GPU per rank
+    pdb = by[("PodDisruptionBudget", "learner")]["spec"]
+    assert pdb["maxUnavailable"] == 1 and pdb["selector"]["matchLabels"] == {"app.kubernetes.io/name": "learner"}
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    learner = {"app.kubernetes.io/name": "learner", "app.kubernetes.io/part-of": "dapo-mesh"}
+    assert allowed(policies, learner, learner, 29500) and allowed(policies, learner, learner, 41234)
+    assert not allowed(policies, {"app.kubernetes.io/name": "buffer"}, learner, 29500)
+
+
+@needs["kubectl"]
 def test_crd_schemas_catch_mistakes() -> None:  # the explicit CRD checks above must be able to fail
     scaled = next(d for d in build("cpu-dev") if d["kind"] == "ScaledObject")
     scaled["spec"]["trigers"] = scaled["spec"].pop("triggers")
