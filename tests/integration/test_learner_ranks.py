@@ -9,12 +9,16 @@ x world size halves every update."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 from safetensors.torch import load_file
 
@@ -80,6 +84,28 @@ def test_more_ranks_than_samples_per_minibatch_is_a_clear_error(recorded_run: tu
     assert not (tmp_path / "out").exists()  # refused before any rank started
 
 
+def start_replica(model: Path, url: str) -> subprocess.Popen[bytes]:
+    args = ["--engine", "hf", "--dtype", "fp32", "--model-dir", str(model), "--redis-url", url, "--port",
+            str(free_port()), "--reward-url", "http://127.0.0.1:9", "--replica-id", "r", "--sync-broadcast",
+            "--heartbeat-ttl-s", "3"]  # fmt: skip
+    return subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT)
+
+
+def wait_ready(client: redis.Redis, replica: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    while (raw := client.get(REPLICA_KEY_PREFIX + "r")) is None or unpack(raw, ReplicaHeartbeat).state != "ready":
+        assert time.monotonic() < deadline and replica.poll() is None, "the replica did not start"
+        time.sleep(0.2)
+
+
+def learner_args(model: Path, run_dir: Path, url: str) -> list[str]:
+    """The recorded run's update settings (recorded_run), a learner fed by Redis, sending weights to replicas."""
+    return ["--model-dir", str(model), "--run-dir", str(run_dir), "--redis-url", url, "--port", str(free_port()),
+            "--minibatches", "2", "--micro-batch-size", "3", "--micro-batch-tokens", "0", "--lr", "1e-3",
+            "--warmup-batches", "0", "--dtype", "fp32", "--seed", "3", "--off-policy", "token-tis", "--sync-port",
+            "0"]  # fmt: skip
+
+
 def snapshot_checksum(folder: Path, bucket_mb: float) -> int:
     """The weight-sync checksum of an HF snapshot, packed as the learner packs its parameters (independent of it)."""
     from transformers import AutoModelForCausalLM
@@ -104,22 +130,11 @@ def test_a_two_rank_zero3_learner_sends_its_gathered_weights_to_a_replica(record
     with EmbeddedRedis(tmp_path / "redis") as server:
         client = connect(server.url)
         StreamProducer(client, STREAM_BATCHES).publish_many(load_batch(p) for _, p in recorded(run / "batches"))
-        rollout = ["--engine", "hf", "--dtype", "fp32", "--model-dir", str(model), "--redis-url", server.url,
-                   "--port", str(free_port()), "--reward-url", "http://127.0.0.1:9", "--replica-id", "r",
-                   "--sync-broadcast", "--heartbeat-ttl-s", "3"]  # fmt: skip
-        replica = subprocess.Popen([sys.executable, "-m", "rollout", *rollout], env=child_env(OMP_NUM_THREADS="1"),
-                                   cwd=ROOT)  # fmt: skip
+        replica = start_replica(model, server.url)
         try:
-            deadline = time.monotonic() + 120
-            while (raw := client.get(REPLICA_KEY_PREFIX + "r")) is None or unpack(
-                raw, ReplicaHeartbeat
-            ).state != "ready":
-                assert time.monotonic() < deadline and replica.poll() is None, "the replica did not start"
-                time.sleep(0.2)
-            args = ["--model-dir", str(model), "--run-dir", str(tmp_path / "learner"), "--redis-url", server.url,
-                    "--port", str(free_port()), "--minibatches", "2", "--micro-batch-size", "3", "--micro-batch-tokens",
-                    "0", "--lr", "1e-3", "--warmup-batches", "0", "--dtype", "fp32", "--zero-stage", "3",
-                    "--sync-port", "0", "--sync-bucket-mb", "0.05", "--max-batches", "3", "--ranks", "2"]  # fmt: skip
+            wait_ready(client, replica)
+            args = [*learner_args(model, tmp_path / "learner", server.url), "--zero-stage", "3", "--sync-bucket-mb",
+                    "0.05", "--max-batches", "3", "--ranks", "2"]  # fmt: skip
             done = subprocess.run([sys.executable, "-m", "learner", *args], env=child_env(OMP_NUM_THREADS="1"),
                                   cwd=ROOT, timeout=300, capture_output=True, text=True)  # fmt: skip
             assert done.returncode == 0, done.stderr[-4000:]
@@ -133,3 +148,71 @@ def test_a_two_rank_zero3_learner_sends_its_gathered_weights_to_a_replica(record
     assert (hb.weight_version, hb.weight_checksum) == (3, wv.checksum)  # the replica verified and serves version 3
     assert wv.checksum == snapshot_checksum(tmp_path / "learner" / "hf" / "v000003", 0.05)
     assert wv.checksum != snapshot_checksum(model, 0.05)  # the weights moved
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[tuple[str, str, str]]:
+    """A second "node": a network namespace joined to this one by a veth pair, nothing else reachable from it.
+    Yields (namespace, this side's interface and address, the namespace's interface)."""
+    if (os.geteuid() != 0 or shutil.which("ip") is None) and not os.environ.get("DAPO_REQUIRE_TOOLS"):
+        pytest.skip("network namespaces need root and iproute2")
+    tag = f"{os.getpid() % 100000}"
+    ns, here, there = f"dapo-n1-{tag}", f"dv0-{tag}", f"dv1-{tag}"
+    cmds = [["ip", "netns", "add", ns], ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+            ["ip", "link", "set", there, "netns", ns], ["ip", "addr", "add", f"{NODE0}/30", "dev", here],
+            ["ip", "-n", ns, "addr", "add", f"{NODE1}/30", "dev", there], ["ip", "link", "set", here, "up"],
+            ["ip", "-n", ns, "link", "set", there, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]]  # fmt: skip
+    try:
+        for cmd in cmds:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+        yield ns, here, there
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+NODE0, NODE1 = "10.231.77.1", "10.231.77.2"
+
+
+@pytest.mark.slow
+def test_two_nodes_over_a_veth_link_train_as_one_and_send_the_weights(recorded_run: tuple[Path, Path],
+                                                                      two_nodes: tuple[str, str, str],
+                                                                      tmp_path: Path) -> None:  # fmt: skip
+    """`--nnodes 2`: node 0 here (Redis, a replica), node 1 in its own network namespace, which reaches only node 0
+    over the veth link: the rendezvous and every collective go over it. The two-node learner's weights equal one
+    rank's replay within 1e-5, and the replica serves them."""
+    model, run = recorded_run
+    ns, here, there = two_nodes
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        client = connect(server.url)
+        StreamProducer(client, STREAM_BATCHES).publish_many(load_batch(p) for _, p in recorded(run / "batches"))
+        replica = start_replica(model, server.url)
+        nodes: list[subprocess.Popen[bytes]] = []
+        try:
+            wait_ready(client, replica)
+            args = [*learner_args(model, tmp_path / "learner", server.url), "--max-batches", "3",
+                    "--sync-bucket-mb", "0.5"]  # fmt: skip
+            port = str(free_port())
+
+            def node(rank: int, ifname: str, *netns: str) -> subprocess.Popen[bytes]:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                       f"--node-rank={rank}", "--rdzv-backend=static", f"--master-addr={NODE0}",
+                       f"--master-port={port}", "-m", "learner", *args]  # fmt: skip
+                env = child_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=ifname)  # gloo on the link, not the hostname
+                return subprocess.Popen([*netns, *cmd], env=env, cwd=ROOT)
+
+            nodes += [node(0, here), node(1, there, "ip", "netns", "exec", ns)]
+            assert [p.wait(300) for p in nodes] == [0, 0]
+            wv = unpack(client.get(KEY_WEIGHTS), WeightVersion)
+            hb = unpack(client.get(REPLICA_KEY_PREFIX + "r"), ReplicaHeartbeat)
+        finally:
+            for p in [replica, *nodes]:
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait(60)
+    one = replay(model, run, tmp_path / "one")
+    assert one.returncode == 0, one.stdout + one.stderr
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "learner")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert (wv.version, wv.replicas) == (3, ["r"]) and (hb.weight_version, hb.weight_checksum) == (3, wv.checksum)
+    assert wv.checksum == snapshot_checksum(tmp_path / "learner" / "hf" / "v000003", 0.5)
