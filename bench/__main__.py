@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and print one table (and its JSON)."""
 
-from bench import learner, mesh, placement, queue, reward, rollout, weight_sync
+from bench import learner, mesh, placement, queue, ranks, reward, rollout, weight_sync
 from bench.common import print_table
 
 if __name__ == "__main__":
@@ -8,6 +8,7 @@ if __name__ == "__main__":
         queue.run()
         + reward.run()
         + learner.run()
+        + ranks.run()
         + placement.run()
         + rollout.run()
         + rollout.dtype_rows()
