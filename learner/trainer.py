@@ -122,11 +122,12 @@ class Trainer:
         wanted = t.response_mask if mask is None else mask
         units = self.micro(torch.arange(len(t)), t)
         for idx in share(units, self.rank, self.world):  # this rank's micro-batches; the others' are summed in
-            if idx is None:
-                if self.s.zero_stage == 3:  # every forward gathers weights collectively: make as many as the others
-                    self._logprobs(t.select(units[0][:1]), wanted[units[0][:1]])
+            if idx is None and self.s.zero_stage != 3:
                 continue
-            part = t.select(idx)
+            part = t.select(units[0][:1] if idx is None else idx)
+            if idx is None:  # ZeRO-3: every forward gathers the weights collectively: as many as the other ranks
+                self._logprobs(part, wanted[units[0][:1], : part.input_ids.shape[1]])
+                continue
             only = wanted[idx, : part.input_ids.shape[1]]
             logp, e = self._logprobs(part, only, with_entropy=mask is not None)
             out[idx, : logp.shape[1]] = logp.cpu()

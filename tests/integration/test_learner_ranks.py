@@ -39,8 +39,9 @@ def recorded_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     s = LearnerSettings(model_dir=model, run_dir=root / "run", minibatches=2, micro_batch_size=3, micro_batch_tokens=0,
                         lr=1e-3, warmup_batches=0, dtype="fp32", seed=3, off_policy="token-tis")  # fmt: skip
     record_settings(root / "run", s)
-    for b in range(3):  # 4 groups x 4 samples: 8 rows per mini-batch, micro-batches of 3, 3, 2 rows
-        groups = [group(b * 10 + i, [1.0, -1.0, 1.0, -0.5], prompt_len=3 + 2 * i, resp_len=4 + 5 * i) for i in range(4)]
+    for b in range(3):  # 4 groups x 4 samples: 8 rows per mini-batch, micro-batches of 3, 3, 2 rows; the last batch
+        n = 5 if b == 2 else 4  # 5 groups: 7 micro-batches in the proximal pass, one rank runs a zero-weighted one
+        groups = [group(b * 10 + i, [1.0, -1.0, 1.0, -0.5], prompt_len=3 + 2 * i, resp_len=4 + 5 * i) for i in range(n)]
         record_batch(root / "run", b, TrainBatch.assemble(b, groups))
     return model, root / "run"
 
