@@ -52,7 +52,8 @@ class Leader:
             broadcast_bytes(msgpack.packb({"op": op, **fields}))
 
     def train(self, batch: TrainBatch, version: int) -> dict[str, float]:
-        self.tell("train", version=version, batch=pack(batch))
+        if self.size > 1:  # (packed only to be sent)
+            self.tell("train", version=version, batch=pack(batch))
         return self.trainer.train(batch, version=version)
 
     def export(self, hf_dir: Path, version: int, keep: int) -> Path:
