@@ -9,35 +9,23 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from services.common.launch import ROOT
-from services.common.ledger import read_ledger
-from services.mesh.layout import RunLayout
+from tests.e2e.meshrun import audit, left_behind, start_mesh, version
 
 SEED = int(os.environ.get("DAPO_CHAOS_SEED", "20261129"))
 STEPS = 30
 VICTIMS = ["learner", "buffer", "reward", "rollout-0", "rollout-1", "redis"]
 
 
-def version(run_dir: Path) -> int:
-    return max((e.version for e in read_ledger(RunLayout(run_dir).learner)), default=0)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_chaos_run_completes_and_the_audit_balances(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "DAPO_REDIS_URL"} | {"PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    out = (tmp_path / "up.out").open("w")
-    cmd = [sys.executable, "-m", "services.mesh", "up", "--tiny", "--steps", str(STEPS), "--replicas", "2",
-           "--run-dir", str(run_dir)]  # fmt: skip
-    mesh = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    mesh = start_mesh(tmp_path, "--steps", str(STEPS), "--replicas", "2")
     rng = random.Random(SEED)
     schedule = VICTIMS[:]  # every kind of service once, in a seeded order, then more seeded picks
     rng.shuffle(schedule)
@@ -74,14 +62,11 @@ def test_chaos_run_completes_and_the_audit_balances(tmp_path: Path) -> None:
     assert {s["kind"] for s in steps} == {"train"}  # no --eval-every
     assert [s["policy_version"] for s in steps] == list(range(1, STEPS + 1))
 
-    r = subprocess.run([sys.executable, "-m", "services.mesh", "audit", str(run_dir), "--json"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    report = json.loads(r.stdout)
+    code, report = audit(run_dir)
     print(f"chaos seed {SEED}: killed {killed}; audit {json.dumps(report)}")
-    assert r.returncode == 0 and report["balanced"], report
+    assert code == 0 and report["balanced"], report
     assert report["vanished"] == [] and report["places"]["vanished"] == 0
     assert report["batches_trained_twice"] == [] and report["groups_in_two_batches"] == []
     assert report["batches_trained"] == STEPS and report["places"]["trained"] >= STEPS * 4  # B = 4 in --tiny
     assert sum(report["places"].values()) == report["dispatched"] > 0
-    left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
-    assert left == [], f"processes left behind: {left}"
+    assert (left := left_behind(run_dir)) == [], f"processes left behind: {left}"

@@ -7,22 +7,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from services.common.launch import ROOT
 from services.common.ledger import read_ledger
 from services.mesh.layout import RunLayout
+from tests.e2e.meshrun import audit, left_behind, start_mesh, version
 
 STEPS = 8
-
-
-def version(run_dir: Path) -> int:
-    return max((e.version for e in read_ledger(RunLayout(run_dir).learner)), default=0)
 
 
 def rank_pid(run_dir: Path, rank: int) -> int | None:
@@ -43,11 +37,7 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
 @pytest.mark.timeout(600)
 def test_killing_one_learner_rank_loses_nothing_and_trains_nothing_twice(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "DAPO_REDIS_URL"} | {"PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    out = (tmp_path / "up.out").open("w")
-    cmd = [sys.executable, "-m", "services.mesh", "up", "--tiny", "--steps", str(STEPS), "--learner-ranks", "2",
-           "--run-dir", str(run_dir)]  # fmt: skip
-    mesh = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    mesh = start_mesh(tmp_path, "--steps", str(STEPS), "--learner-ranks", "2")
     try:
         deadline = time.monotonic() + 400
         while version(run_dir) < 2:  # the mesh is flowing, two checkpointed batches
@@ -74,11 +64,8 @@ def test_killing_one_learner_rank_loses_nothing_and_trains_nothing_twice(tmp_pat
     assert log.count("rank 1 of 2: following rank 0") == 2  # both starts had two ranks
     assert [e.version for e in read_ledger(RunLayout(run_dir).learner)][-1] == STEPS
 
-    r = subprocess.run([sys.executable, "-m", "services.mesh", "audit", str(run_dir), "--json"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    report = json.loads(r.stdout)
-    assert r.returncode == 0 and report["balanced"], report
+    code, report = audit(run_dir)
+    assert code == 0 and report["balanced"], report
     assert report["batches_trained_twice"] == [] and report["groups_in_two_batches"] == []
     assert report["batches_trained"] == STEPS and report["places"]["vanished"] == 0
-    left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
-    assert left == [], f"processes left behind: {left}"
+    assert (left := left_behind(run_dir)) == [], f"processes left behind: {left}"
