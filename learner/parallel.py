@@ -44,10 +44,21 @@ def share(units: Sequence[T], rank: int, size: int) -> list[T | None]:
     return mine + [None] * (per_rank - len(mine))
 
 
+def comm_device() -> torch.device:
+    """Where a collective's tensors must be: the rank's GPU under NCCL (it moves no CPU tensors), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_sum(t: torch.Tensor) -> torch.Tensor:
     """The element-wise sum over ranks (in place; the tensor itself with one rank)."""
     if world()[1] > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dev = comm_device()
+        moved = t.to(dev)
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+        if moved is not t:
+            t.copy_(moved)
     return t
 
 
@@ -63,13 +74,18 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
     if size == 1:
         assert data is not None
         return data
-    n = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.long)
+    dev = comm_device()
+    n = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.long, device=dev)
     dist.broadcast(n, src)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == src and data else torch.empty(
-        int(n), dtype=torch.uint8)  # fmt: skip
-    if int(n):
-        dist.broadcast(buf, src)
-    return buf.numpy().tobytes()
+    size = int(n)
+    if size == 0:
+        return b""
+    if rank == src and data:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    else:
+        buf = torch.empty(size, dtype=torch.uint8, device=dev)
+    dist.broadcast(buf, src)
+    return buf.cpu().numpy().tobytes()
 
 
 def check_ranks(rows: int, minibatches: int, size: int) -> None:
