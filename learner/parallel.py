@@ -1,12 +1,13 @@
 """Data parallelism of the learner: N ranks take exactly the step one rank would.
 
-    units = trainer.micro(mini_batch, tensors)      # the micro-batches one rank would run, in order
-    for idx in share(units, rank, world):           # this rank's: round-robin, padded with None to equal counts
+    for idx in trainer.units(mini_batch, tensors):  # this rank's micro-batches, padded with None to equal counts
         ...                                         # None: a zero-weighted micro-batch (keeps collectives aligned)
 
 Every rank holds the whole TrainBatch (rank 0 reads it, the others get its msgpack bytes: `broadcast_bytes`), so the
 advantages (per group), the mini-batch shuffle and each mini-batch's token count (DAPO's token-mean denominator)
-are the whole batch's on every rank. Only the micro-batches are split. Two rules make the split exact:
+are the whole batch's on every rank. Each mini-batch's rows are dealt to the ranks by tokens (`split_rows`: longest
+first, to the least loaded rank), and each rank cuts its rows into micro-batches by the token budget as one rank
+would. Two rules make the split exact:
 
 - **Equal micro-batch counts.** ZeRO-2/3 reduce gradients inside each backward and ZeRO-3 gathers weights inside
   each forward: every rank must make the same calls. A rank with fewer micro-batches runs a real one with its loss
@@ -36,12 +37,23 @@ def world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def share(units: Sequence[T], rank: int, size: int) -> list[T | None]:
-    """Rank `rank`'s units of `units` (round-robin: i ≡ rank mod size), padded with None so that every rank gets
-    ceil(len / size) of them."""
-    per_rank = -(-len(units) // size) if units else 0
-    mine: list[T | None] = list(units[rank::size])
-    return mine + [None] * (per_rank - len(mine))
+def split_rows(idx: torch.Tensor, lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Rows `idx` dealt to `size` ranks by tokens: longest first, each to the rank with the fewest tokens so far
+    (ties: the lowest rank). Every rank computes every rank's share the same way (each holds the whole batch)."""
+    order = idx[torch.argsort(lengths[idx], descending=True, stable=True)].tolist()
+    shares: list[list[int]] = [[] for _ in range(size)]
+    load = [0] * size
+    for i in order:
+        r = min(range(size), key=lambda k: (load[k], k))
+        shares[r].append(i)
+        load[r] += int(lengths[i])
+    return [torch.tensor(sorted(s), dtype=torch.long) for s in shares]
+
+
+def padded(units: Sequence[Sequence[T]], rank: int) -> list[T | None]:
+    """This rank's units, padded with None to the most any rank has (equal call counts on every rank)."""
+    most = max((len(u) for u in units), default=0)
+    return [*units[rank], *([None] * (most - len(units[rank])))]
 
 
 def comm_device() -> torch.device:

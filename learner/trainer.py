@@ -29,7 +29,7 @@ from learner.batching import BatchTensors, minibatches, to_tensors, token_microb
 from learner.logprobs import chunked_logprobs
 from learner.loss import LOSS_METRICS, policy_loss, token_logprobs_and_entropy
 from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights
-from learner.parallel import all_sum, share, world
+from learner.parallel import all_sum, padded, split_rows, world
 from learner.schedule import lr_factor
 from learner.settings import LearnerSettings
 from services.common.dtype import resolve_dtype
@@ -112,6 +112,14 @@ class Trainer:
         """Micro-batches of rows `idx`: by the token budget over length-sorted rows (or fixed counts)."""
         return token_microbatches(idx, t.attention_mask.sum(-1), self.s.micro_batch_tokens, self.s.micro_batch_size)
 
+    def units(self, idx: torch.Tensor, t: BatchTensors) -> list[torch.Tensor | None]:
+        """This rank's micro-batches of rows `idx` (all of them on one rank): its share of the rows by tokens, cut
+        by the budget, padded with None (a zero-weighted call) to as many as the busiest rank has."""
+        if self.world == 1:
+            return list(self.micro(idx, t))
+        shares = split_rows(idx, t.attention_mask.sum(-1), self.world)
+        return padded([self.micro(r, t) if len(r) else [] for r in shares], self.rank)
+
     @torch.no_grad()
     def logprobs(self, t: BatchTensors, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         """Per-token log-probs of every row under the current weights ([N, T], aligned with input_ids; at the
@@ -120,13 +128,13 @@ class Trainer:
         out = torch.zeros_like(t.behaviour_logp)
         ent = torch.zeros(2, dtype=torch.float64)  # entropy sum, token count
         wanted = t.response_mask if mask is None else mask
-        units = self.micro(torch.arange(len(t)), t)
-        for idx in share(units, self.rank, self.world):  # this rank's micro-batches; the others' are summed in
+        rows = torch.arange(len(t))
+        for idx in self.units(rows, t):  # this rank's micro-batches; the others' are summed in
             if idx is None and self.s.zero_stage != 3:
                 continue
-            part = t.select(units[0][:1] if idx is None else idx)
+            part = t.select(rows[:1] if idx is None else idx)
             if idx is None:  # ZeRO-3: every forward gathers the weights collectively: as many as the other ranks
-                self._logprobs(part, wanted[units[0][:1], : part.input_ids.shape[1]])
+                self._logprobs(part, wanted[rows[:1], : part.input_ids.shape[1]])
                 continue
             only = wanted[idx, : part.input_ids.shape[1]]
             logp, e = self._logprobs(part, only, with_entropy=mask is not None)
@@ -190,9 +198,8 @@ class Trainer:
             tokens = float(t.loss_mask[mb].sum())  # the whole mini-batch's, on every rank (each holds the batch)
             if tokens == 0:  # every sample of this mini-batch filtered out
                 continue
-            units = self.micro(mb, t)
-            for idx in share(units, self.rank, self.world):
-                part = t.select(units[0][:1] if idx is None else idx)  # None: zero-weighted, as many calls as others
+            for idx in self.units(mb, t):
+                part = t.select(mb[:1] if idx is None else idx)  # None: zero-weighted, as many calls as the others
                 m, n = self._micro_step(part, tokens, len(mb), norm_len=t.input_ids.shape[1], weight=idx is not None)
                 if idx is not None:
                     sums += torch.tensor([m[k] * n for k in STEP_METRICS] + [n], dtype=torch.float64)

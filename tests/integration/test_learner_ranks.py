@@ -1,11 +1,11 @@
 """Data-parallel learner ranks (learner/parallel.py): N ranks take the step one rank takes.
 
 Real DeepSpeed on CPU (gloo), real torchrun: the same recorded batches replayed with 1 and with 2 ranks give the
-same weights within 1e-5 (fp32) at ZeRO 0, 1, 2 and 3. The batches are ragged (4 prompt lengths, 4 response
-lengths) and a mini-batch's 3 micro-batches split 2 + 1 over the ranks, so the ranks hold different token counts
-and one of them runs a zero-weighted micro-batch: a rank normalising by its own tokens, not the mini-batch's (the
-count every rank has, since each holds the whole batch), moves the weights ~1e-2 away (checked), and a missing
-x world size halves every update."""
+same weights within 1e-5 (fp32) at ZeRO 0, 1, 2 and 3. The batches are ragged (prompt and response lengths differ
+by group), so the ranks' shares of a mini-batch differ in rows and in tokens, and one batch makes a rank run a
+zero-weighted micro-batch: a rank normalising by its own tokens, not the mini-batch's (the count every rank has,
+since each holds the whole batch), moves the weights ~1e-2 away (checked), and a missing x world size halves
+every update."""
 
 from __future__ import annotations
 
@@ -36,12 +36,15 @@ from services.common.weights import KEY_WEIGHTS, Buckets, Manifest, checksum, to
 def recorded_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("ranks")
     model = tiny_llama(root / "model", tokenizer=True)  # the replica needs one
-    s = LearnerSettings(model_dir=model, run_dir=root / "run", minibatches=2, micro_batch_size=3, micro_batch_tokens=0,
+    s = LearnerSettings(model_dir=model, run_dir=root / "run", minibatches=2, micro_batch_size=1, micro_batch_tokens=0,
                         lr=1e-3, warmup_batches=0, dtype="fp32", seed=3, off_policy="token-tis")  # fmt: skip
     record_settings(root / "run", s)
-    for b in range(3):  # 4 groups x 4 samples: 8 rows per mini-batch, micro-batches of 3, 3, 2 rows; the last batch
-        n = 5 if b == 2 else 4  # 5 groups: 7 micro-batches in the proximal pass, one rank runs a zero-weighted one
-        groups = [group(b * 10 + i, [1.0, -1.0, 1.0, -0.5], prompt_len=3 + 2 * i, resp_len=4 + 5 * i) for i in range(n)]
+    # 4 groups x 4 samples, ragged; the last batch has 19 samples: one micro-batch per row, so its odd row counts
+    # (19 in the proximal pass, 9 in a mini-batch) leave one rank a zero-weighted call forward and backward
+    for b in range(3):
+        n = [4, 4, 4, 4] if b < 2 else [6, 6, 7]
+        rewards = [[1.0, -1.0, 1.0, -0.5, 0.5, -0.25, 1.0][:k] for k in n]
+        groups = [group(b * 10 + i, r, prompt_len=3 + 2 * i, resp_len=4 + 5 * i) for i, r in enumerate(rewards)]
         record_batch(root / "run", b, TrainBatch.assemble(b, groups))
     return model, root / "run"
 
@@ -102,7 +105,7 @@ def wait_ready(client: redis.Redis, replica: subprocess.Popen[bytes]) -> None:
 def learner_args(model: Path, run_dir: Path, url: str) -> list[str]:
     """The recorded run's update settings (recorded_run), a learner fed by Redis, sending weights to replicas."""
     return ["--model-dir", str(model), "--run-dir", str(run_dir), "--redis-url", url, "--port", str(free_port()),
-            "--minibatches", "2", "--micro-batch-size", "3", "--micro-batch-tokens", "0", "--lr", "1e-3",
+            "--minibatches", "2", "--micro-batch-size", "1", "--micro-batch-tokens", "0", "--lr", "1e-3",
             "--warmup-batches", "0", "--dtype", "fp32", "--seed", "3", "--off-policy", "token-tis", "--sync-port",
             "0"]  # fmt: skip
 
