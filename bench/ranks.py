@@ -111,7 +111,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.model, args.dtype, args.stage, args.repeats, args.out)
+        from learner.parallel import shutdown
+
+        try:
+            worker(args.model, args.dtype, args.stage, args.repeats, args.out)
+        finally:
+            shutdown()
         return
     print_table(run(args.model, args.dtype, args.repeats))
 

@@ -21,9 +21,13 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()  # SIGTERM / Ctrl-C: finish the batch, checkpoint, acknowledge, exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    from learner.parallel import shutdown
     from learner.runner import run
 
-    run(settings, stop)
+    try:
+        run(settings, stop)
+    finally:
+        shutdown()
 
 
 if __name__ == "__main__":

@@ -74,6 +74,14 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def shutdown() -> None:
+    """Tear the process group down before the interpreter exits: left to the exit, gloo's threads are sometimes
+    destroyed while joinable, and the process aborts ("terminate called without an active exception", SIGABRT)
+    after its work is done — torchrun then reports the rank as failed."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     """Every rank has come here (nothing with one rank)."""
     if world()[1] > 1:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from learner import checkpoint
-from learner.parallel import check_ranks, world
+from learner.parallel import check_ranks, shutdown, world
 from learner.record import batches_dir, load_batch, read_settings, recorded
 from learner.settings import LearnerSettings
 from services.common.ledger import read_ledger
@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     from learner.trainer import init_distributed
 
     init_distributed()
-    replay(a.batches, a.model_dir, a.out, zero_stage=a.zero_stage, dtype=a.dtype, until=a.until)
+    try:
+        replay(a.batches, a.model_dir, a.out, zero_stage=a.zero_stage, dtype=a.dtype, until=a.until)
+    finally:
+        shutdown()
 
 
 if __name__ == "__main__":
