@@ -34,6 +34,7 @@ from learner import checkpoint
 from learner.checkpoint import LearnerState
 from learner.parallel import broadcast_bytes
 from learner.trainer import Trainer
+from learner.weight_sync import zero3_gather
 from services.common.schemas import TrainBatch
 from services.common.streams import pack, unpack
 
@@ -66,10 +67,8 @@ class Leader:
 
     def gather(self, index: list[int], params: list[torch.nn.Parameter]) -> Any:
         """ZeRO-3: the full values of `params` (their positions in the module: `index`) on this rank, for a while."""
-        import deepspeed
-
         self.tell("gather", index=index)
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        return zero3_gather(index, params)
 
     def start(self, version: int) -> None:
         """After every rank loaded the newest checkpoint: the version rank 0 resumes from, which each rank checks."""
@@ -84,8 +83,6 @@ class Leader:
 
 def follow(trainer: Trainer, run_dir: Path, version: int) -> int:
     """A rank > 0 that loaded `version`: take rank 0's collective steps until it says stop; the batches trained."""
-    import deepspeed
-
     first = msgpack.unpackb(broadcast_bytes(None))
     if first != {"op": "start", "version": version}:
         raise RuntimeError(
@@ -105,7 +102,7 @@ def follow(trainer: Trainer, run_dir: Path, version: int) -> int:
         elif op == "save":
             checkpoint.save(trainer.engine, run_dir, LearnerState(**cmd["state"]), keep=cmd["keep"])
         elif op == "gather":
-            with deepspeed.zero.GatheredParameters([params[i] for i in cmd["index"]], modifier_rank=None):
+            with zero3_gather(cmd["index"], [params[i] for i in cmd["index"]]):
                 pass
         elif op == "stop":
             log.info("rank %d: stopped by rank 0 after %d batches", trainer.rank, trained)
