@@ -26,7 +26,7 @@ class BatchTensors:
     rewards: torch.Tensor  # [N] float
     group_index: torch.Tensor  # [N] long
     truncated: torch.Tensor  # [N] bool
-    versions: torch.Tensor  # [N] long: policy version that generated each sample
+    versions: torch.Tensor  # [N, T] long: policy version that sampled each response token (0 elsewhere)
     temperature: torch.Tensor  # [N] float: the sampling temperature, applied to the learner's logits (greedy: 1)
     # filled in by the trainer before the updates:
     old_logp: torch.Tensor | None = None  # [N, T] log-probs under the weights before this batch
@@ -54,8 +54,8 @@ class BatchTensors:
 
 def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None) -> BatchTensors:
     """`tokenize` is used only for prompts that arrive as text without token ids."""
-    rows: list[tuple[list[int], list[int], list[float]]] = []
-    rewards, groups, truncated, versions, temps = [], [], [], [], []
+    rows: list[tuple[list[int], list[int], list[float], list[int]]] = []
+    rewards, groups, truncated, temps = [], [], [], []
     for gi, group in enumerate(batch.groups):
         task = group.task
         if task.prompt_token_ids is not None:
@@ -65,28 +65,29 @@ def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None)
         else:
             raise ValueError(f"group {task.task_id}: no prompt_token_ids and no tokenizer to make them")
         for sample, score in zip(group.samples, group.scores, strict=True):
-            rows.append((prompt, sample.response_token_ids.tolist(), sample.logprobs.tolist()))
+            rows.append((prompt, sample.response_token_ids.tolist(), sample.logprobs.tolist(), sample.token_versions()))
             rewards.append(score.reward)
             groups.append(gi)
             truncated.append(sample.truncated)
-            versions.append(sample.policy_version)
             temps.append(sample.temperature if sample.temperature > 0 else 1.0)
-    width = max(len(p) + len(r) for p, r, _ in rows)
+    width = max(len(p) + len(r) for p, r, _, _ in rows)
     n = len(rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
     response = torch.zeros((n, width), dtype=torch.float32)
     behaviour = torch.zeros((n, width), dtype=torch.float32)
-    for i, (p, r, lp) in enumerate(rows):
+    versions = torch.zeros((n, width), dtype=torch.long)
+    for i, (p, r, lp, vs) in enumerate(rows):
         end = len(p) + len(r)
         input_ids[i, :end] = torch.tensor(p + r, dtype=torch.long)
         attention[i, :end] = 1
         response[i, len(p) : end] = 1.0
         behaviour[i, len(p) : end] = torch.tensor(lp, dtype=torch.float32)
+        versions[i, len(p) : end] = torch.tensor(vs, dtype=torch.long)
     return BatchTensors(
         input_ids, attention, response, behaviour,
         torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups, dtype=torch.long),
-        torch.tensor(truncated, dtype=torch.bool), torch.tensor(versions, dtype=torch.long),
+        torch.tensor(truncated, dtype=torch.bool), versions,
         torch.tensor(temps, dtype=torch.float32),
     )  # fmt: skip
 

@@ -28,6 +28,10 @@ class LearnerMetrics:
             "dapo_learner_batch_version_lag", "Learner version minus the oldest sample version of a batch.",
             registry=registry, buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
         )  # fmt: skip
+        self.token_lag = gauge("token_version_lag", "Mean version lag of the last batch's response tokens (one "
+                               "sampled after an in-flight weight update lags less).")  # fmt: skip
+        self.multi_version = gauge("multi_version_fraction", "Samples of the last batch whose tokens span more than "
+                                   "one policy version.")  # fmt: skip
         self.behav_kl = gauge("behav_kl", "k3 estimate of KL(behaviour || proximal) over the last batch's tokens.")
         self.logp_gap = gauge("logp_gap", "|log p_proximal - log p_behaviour| per token, last batch.", ("stat",))
         self.logp_gap_by_lag = gauge("logp_gap_by_lag", "Mean |log p gap| per token, by the samples' version lag.",
@@ -61,6 +65,8 @@ class LearnerMetrics:
         self.logp_gap.labels("mean").set(m.get("logp_gap_mean", 0.0))
         self.logp_gap.labels("p99").set(m.get("logp_gap_p99", 0.0))
         self.is_bound.set(m.get("is_bound_frac", 0.0))
+        self.token_lag.set(m.get("token_lag_mean", 0.0))
+        self.multi_version.set(m.get("multi_version_frac", 0.0))
         for key, v in m.items():
             if key.startswith("logp_gap_mean_lag"):
                 self.logp_gap_by_lag.labels(key.removeprefix("logp_gap_mean_lag")).set(v)

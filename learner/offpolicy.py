@@ -73,10 +73,26 @@ def gap_metrics(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.T
 def gap_by_lag(
     prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor
 ) -> dict[str, float]:
-    """`gap_metrics` per version lag of the samples (lags [B]): keys like behav_kl_lag1, logp_gap_mean_lag2."""
+    """`gap_metrics` per version lag of the tokens (lags [B, T]: a sample that spans a weight update has tokens of
+    two lags): keys like behav_kl_lag1, logp_gap_mean_lag2."""
     out: dict[str, float] = {}
-    for lag in sorted(set(int(x) for x in lags.tolist())):
-        rows = lags == lag
-        for k, v in gap_metrics(prox_logp[rows], behav_logp[rows], mask[rows]).items():
+    for lag in sorted(set(int(x) for x in lags[mask > 0].tolist())):
+        sel = mask * (lags == lag).to(mask.dtype)
+        for k, v in gap_metrics(prox_logp, behav_logp, sel).items():
             out[f"{k}_lag{lag}"] = v
     return out
+
+
+def token_versions(versions: torch.Tensor, mask: torch.Tensor, version: int) -> dict[str, float]:
+    """versions [B, T] (the policy version of each token), mask [B, T] (the response tokens): the mean version lag
+    of the tokens, and the fraction of samples whose tokens span more than one version."""
+    sel = mask > 0
+    if not bool(sel.any()):
+        return {"token_lag_mean": 0.0, "multi_version_frac": 0.0}
+    newest = torch.where(sel, versions, torch.full_like(versions, -1)).amax(-1)
+    oldest = torch.where(sel, versions, torch.full_like(versions, torch.iinfo(versions.dtype).max)).amin(-1)
+    rows = sel.any(-1)
+    return {
+        "token_lag_mean": float((version - versions[sel]).double().mean()),
+        "multi_version_frac": float((newest[rows] > oldest[rows]).double().mean()),
+    }

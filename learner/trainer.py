@@ -28,7 +28,7 @@ from learner.advantages import group_advantages
 from learner.batching import BatchTensors, minibatches, to_tensors, token_microbatches
 from learner.logprobs import chunked_logprobs
 from learner.loss import LOSS_METRICS, policy_loss, token_logprobs_and_entropy
-from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights
+from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights, token_versions
 from learner.parallel import all_sum, padded, split_rows, world
 from learner.schedule import lr_factor
 from learner.settings import LearnerSettings
@@ -177,6 +177,7 @@ class Trainer:
         self._gap = gap_metrics(t.old_logp, t.behaviour_logp, t.loss_mask)
         if version is not None:
             self._gap |= gap_by_lag(t.old_logp, t.behaviour_logp, t.loss_mask, version - t.versions)
+            self._gap |= token_versions(t.versions, t.response_mask, version)
         if s.off_policy != "off":  # weigh each token by pi_prox / pi_behav (the decoupled objective)
             t.is_weights, bound = importance_weights(t.old_logp, t.behaviour_logp, t.loss_mask, mode=s.off_policy,
                                                      cap=s.off_policy_cap)  # fmt: skip

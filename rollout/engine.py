@@ -40,10 +40,17 @@ class Completion:
     text: str
     logprobs: list[float]
     finish_reason: FinishReason
+    # the policy version that sampled each token, as run-lengths ((version, n_tokens), ...), oldest first; None: all
+    # by the engine's version when the call began (the chunked engines load weights only between calls)
+    versions: tuple[tuple[int, int], ...] | None = None
 
 
 class Engine(Protocol):
-    version: int  # policy version of the weights it holds
+    @property
+    def version(self) -> int:
+        """Policy version of the weights it holds."""
+        ...
+
     tokenizer: Any
     dtype: Dtype  # what it computes in (resolved: bf16 or fp32)
 

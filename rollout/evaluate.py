@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout.engine import Engine, SamplingParams, encode_prompt
+from rollout.engine import Completion, Engine, SamplingParams, encode_prompt
 from rollout.reward_client import RewardClient
 from services.common.datasets import DEFAULT_DATASET_CONFIG, Item, Template, load_source, read_items
 from services.common.schemas import ScoreItem
@@ -110,20 +110,29 @@ def evaluate(
             params.temperature, params.top_p, params.max_tokens, params.seed + 7919 * start
         )  # fmt: skip
         outs = engine.generate(prompts, k, chunk_params)
-        score_items = [
-            ScoreItem(id=f"{i}/{j}", response=c.text, ground_truth=it.ground_truth, verifier=it.verifier,
-                      response_tokens=len(c.token_ids), max_response_tokens=params.max_tokens)
-            for i, (it, o) in enumerate(zip(chunk, outs, strict=True)) for j, c in enumerate(o)
-        ]  # fmt: skip
-        results = iter(reward.score(score_items))
-        for it, o in zip(chunk, outs, strict=True):
-            for j, c in enumerate(o):
-                r = next(results)
-                samples.append(EvalSample(it.prompt_id, j, c.text, len(c.token_ids), c.finish_reason, r.acc,
-                                          r.score, r.pred))  # fmt: skip
+        samples += score_samples(chunk, outs, reward, params.max_tokens)
     if engine.version != version:
         raise RuntimeError(f"the engine's weights changed during the evaluation ({version} -> {engine.version})")
     return summarize(items, samples, k, version, time.perf_counter() - t0), samples
+
+
+def score_samples(
+    items: Sequence[Item], outs: Sequence[Sequence[Completion]], reward: RewardClient, max_tokens: int
+) -> list[EvalSample]:
+    """Every completion of every item scored by the reward server, in one request."""
+    score_items = [
+        ScoreItem(id=f"{i}/{j}", response=c.text, ground_truth=it.ground_truth, verifier=it.verifier,
+                  response_tokens=len(c.token_ids), max_response_tokens=max_tokens)
+        for i, (it, o) in enumerate(zip(items, outs, strict=True)) for j, c in enumerate(o)
+    ]  # fmt: skip
+    results = iter(reward.score(score_items))
+    samples = []
+    for it, o in zip(items, outs, strict=True):
+        for j, c in enumerate(o):
+            r = next(results)
+            samples.append(EvalSample(it.prompt_id, j, c.text, len(c.token_ids), c.finish_reason, r.acc, r.score,
+                                      r.pred))  # fmt: skip
+    return samples
 
 
 def summarize(items: Sequence[Item], samples: Sequence[EvalSample], k: int, version: int,

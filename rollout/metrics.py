@@ -34,5 +34,21 @@ class RolloutMetrics:
                                registry=r)  # fmt: skip
         self.eval_version = Gauge("dapo_eval_version", "Policy version of the last held-out evaluation.", registry=r)
         self.eval_seconds = Gauge("dapo_eval_seconds", "Wall time of the last held-out evaluation.", registry=r)
+        self.in_flight = Gauge("dapo_rollout_sequences_in_flight", "Sequences in the engine (streaming replica).",
+                               registry=r)  # fmt: skip
+        self.idle_seconds = Counter("dapo_rollout_idle_seconds", "Seconds with no sequence in the engine.", registry=r)
+        self.idle_fraction = Gauge("dapo_rollout_idle_fraction", "Share of the last minute with no sequence in the "
+                                   "engine.", registry=r)  # fmt: skip
+        self.weight_serve_seconds = Histogram("dapo_rollout_weight_serve_seconds", "Seconds from a version's "
+                                              "announcement (broadcast round, or snapshot written) to the engine "
+                                              "sampling with it.", registry=r, buckets=buckets)  # fmt: skip
+        self.versions_per_sample = Histogram(
+            "dapo_rollout_versions_per_sample", "Policy versions that sampled one response's tokens.", registry=r,
+            buckets=(1, 2, 3, 4, 6, 8, 16),
+        )  # fmt: skip
+        self.multi_version_samples = Counter(
+            "dapo_rollout_multi_version_samples", "Samples whose tokens span more than one policy version (weights "
+            "loaded in flight).", registry=r,
+        )  # fmt: skip
         self.weight_load_seconds = Histogram("dapo_rollout_weight_load_seconds", "Seconds to load weights into the "
                                              "engine.", registry=r, buckets=buckets)  # fmt: skip

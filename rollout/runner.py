@@ -12,10 +12,15 @@ import logging
 import threading
 from typing import Any
 
-from rollout.engine import load_engine
+import redis
+
+from rollout.engine import Engine, load_engine
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient
 from rollout.settings import RolloutSettings
+from rollout.stream_worker import StreamWorker
+from rollout.streaming import StreamingEngine
+from rollout.vllm_engine import VllmEngine
 from rollout.weight_receiver import WeightReceiver
 from rollout.worker import Worker
 from services.common.dtype import resolve_dtype
@@ -33,6 +38,19 @@ def engine_placement(s: RolloutSettings) -> dict[str, Any]:
     return {"kv_cache_gib": s.vllm_kv_cache_gib, "eager": s.vllm_eager, "cpu_cores": s.cpu_cores}
 
 
+def make_worker(s: RolloutSettings, client: redis.Redis, engine: Engine, reward: RewardClient,
+                metrics: RolloutMetrics, receiver: WeightReceiver | None) -> Worker:  # fmt: skip
+    """vLLM: the streaming loop (continuous batching, in-flight weight updates); HF: engine calls of
+    `prompts_per_call` prompts, weights between calls."""
+    if isinstance(engine, VllmEngine):
+        stream = StreamingEngine(engine, update=s.weight_update, seed=s.seed)
+        log.info("streaming replica: up to %d sequences in flight, weight updates: %s", s.max_in_flight,
+                 s.weight_update)  # fmt: skip
+        return StreamWorker(s, client, stream, reward, metrics, receiver)
+    log.info("HF engine: %d prompts per engine call, weights loaded between calls", s.prompts_per_call)
+    return Worker(s, client, engine, reward, metrics, receiver)
+
+
 def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
     s = settings
     reward = RewardClient(s.reward_url, token=s.reward_token.get_secret_value() if s.reward_token else None,
@@ -44,7 +62,7 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
             metrics = RolloutMetrics(proc.registry)
             engine = load_engine(s.model_dir, s.engine, dtype=resolve_dtype(s.dtype, log), **engine_placement(s))
             receiver = WeightReceiver(s, proc.client, metrics) if s.sync_broadcast else None
-            worker = Worker(s, proc.client, engine, reward, metrics, receiver)
+            worker = make_worker(s, proc.client, engine, reward, metrics, receiver)
             proc.ready_when(lambda: (worker.state == "ready", worker.state))
             worker.sync_weights()  # a late joiner starts from the newest snapshot, then joins the next round
             worker.warm_up()
@@ -59,6 +77,8 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
             log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, engine.version)
             while not stop.is_set() and (s.max_prompts is None or worker.done < s.max_prompts):
                 worker.step()
+            if isinstance(worker, StreamWorker):
+                worker.stop()
             return worker
         finally:
             beat_stop.set()

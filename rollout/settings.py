@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 
+from rollout.streaming import UpdateMode
 from services.common.dtype import DtypeChoice
 from services.common.settings import RedisSettings, ServiceSettings
 
@@ -20,7 +21,18 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     replica_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}", description="Unique name of this replica."
     )
-    prompts_per_call: int = Field(8, ge=1, description="Prompts per engine call (x G samples each).")
+    prompts_per_call: int = Field(8, ge=1, description="HF engine: prompts per engine call (x G samples each).")
+    max_in_flight: int = Field(
+        64, ge=1, description="vLLM (streaming): sequences in the engine at most; prompts enter as room frees up."
+    )
+    weight_update: UpdateMode = Field(
+        "keep", description="vLLM (streaming): what a weight load does to the sequences in flight: keep (continue "
+        "under the new weights, their K/V kept), recompute (re-encode their prefix first) or drain (stop admitting, "
+        "load when none is in flight)."
+    )  # fmt: skip
+    eval_share: float = Field(
+        0.25, gt=0, le=1, description="vLLM (streaming): the held-out evaluation's share of the sequences in flight."
+    )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (DAPO: 1.0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (DAPO: 1.0).")
     max_response_tokens: int = Field(256, ge=1, description="L_max: tokens generated at most per sample.")

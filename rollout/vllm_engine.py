@@ -83,24 +83,29 @@ class VllmEngine:
             result[owner].append(Completion(list(c.token_ids), c.text, logps, reason))  # type: ignore[arg-type]
         return result
 
-    def load_weights(self, hf_dir: Path, version: int) -> None:
-        """In-place reload from an HF safetensors folder (~0.3 s for 135M), between engine calls."""
+    def load_weights(self, hf_dir: Path, version: int, *, keep_running: bool = False) -> None:
+        """In-place reload from an HF safetensors folder (~0.3 s for 135M), between engine calls or steps."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
-        self._reloaded(version)
+        self._reloaded(version, keep_running)
 
-    def load_tensors(self, named: Iterator[tuple[str, Any]], version: int) -> None:
-        """In-place reload from (name, tensor) pairs in HF naming (the broadcast's buckets), between engine calls.
-        The engine runs in this process, so the iterator is handed over as is: nothing is copied or pickled."""
+    def load_tensors(self, named: Iterator[tuple[str, Any]], version: int, *, keep_running: bool = False) -> None:
+        """In-place reload from (name, tensor) pairs in HF naming (the broadcast's buckets), between engine calls
+        or steps. The engine runs in this process, so the iterator is handed over as is: nothing is copied or
+        pickled."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
-        self._reloaded(version)
+        self._reloaded(version, keep_running)
 
-    def _reloaded(self, version: int) -> None:
+    def _reloaded(self, version: int, keep_running: bool) -> None:
+        """Requests in flight (a streaming engine, rollout/streaming.py) keep their K/V with `keep_running`;
+        otherwise they are preempted, and re-encoded with the new weights before their next token."""
         self.llm.collective_rpc(_retie_lm_head)
         # The prefix cache holds K/V computed with the OLD weights, and vLLM's reload keeps it: a prompt sharing a
         # cached prefix (a system prompt, DAPO's long instruction) would be continued from stale K/V, and its
         # behaviour log-probs would be off by up to ~0.7 (measured, tests/integration/test_rollout_engines.py).
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM did not reset its prefix cache after a weight reload (a request is running?)")
+        # A streaming engine that keeps its running requests salts new requests by version instead.
+        running = self.llm.llm_engine.has_unfinished_requests()
+        if not (running and keep_running) and not self.llm.llm_engine.reset_prefix_cache(running):
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight reload")
         self.version = version
 
 

@@ -60,6 +60,7 @@ Loader = Callable[[Iterator[tuple[str, torch.Tensor]], int], None]
 class Received:
     version: int
     checksum: int
+    announced: float  # time.monotonic() when the learner's round header arrived
 
 
 class WeightReceiver:
@@ -194,7 +195,7 @@ class WeightReceiver:
     ) -> None:
         assert self.buckets is not None
         self.state = "receiving"
-        t0 = time.perf_counter()
+        t0, announced = time.perf_counter(), time.monotonic()
         ack: dict[str, Any] = {"ok": False, "checksum": None, "error": None}
         with self.lock:
             self.ready = None  # the buckets are about to be overwritten
@@ -217,7 +218,7 @@ class WeightReceiver:
                     ack["error"] = f"checksum mismatch in buckets {bad}"
                 else:
                     ack["ok"] = True
-                    self.ready = Received(version, total(mine))
+                    self.ready = Received(version, total(mine), announced)
             except Exception as e:
                 ack["error"] = f"{type(e).__name__}: {e}"[:500]
                 raise

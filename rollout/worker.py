@@ -22,11 +22,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
 from rollout.engine import Completion, Engine, SamplingParams, encode_prompt
-from rollout.evaluate import evaluate, load_eval_items
+from rollout.evaluate import EvalReport, evaluate, load_eval_items
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
 from rollout.settings import RolloutSettings
@@ -101,12 +102,13 @@ class Worker:
             t0 = time.perf_counter()
             got = self.receiver.take(self.engine.load_tensors)
             if got is not None:
-                self._loaded(got.version, got.checksum, "broadcast", time.perf_counter() - t0)
+                self._loaded(got.version, got.checksum, "broadcast", time.perf_counter() - t0, got.announced)
                 return True
         if self.s.weights_dir is None or (self.receiver is not None and self.receiver.state != "idle"):
             return False  # a member of the broadcast group gets every version from it: no snapshot reloads
+        latest = self.s.weights_dir / "latest"
         try:
-            name = (self.s.weights_dir / "latest").read_text().strip()
+            name, written = latest.read_text().strip(), latest.stat().st_mtime
         except FileNotFoundError:
             return False
         version = int(name.lstrip("v"))
@@ -115,15 +117,17 @@ class Worker:
         self.state = "syncing"
         t0 = time.perf_counter()
         self.engine.load_weights(self.s.weights_dir / name, version)
-        self._loaded(version, None, f"snapshot {name}", time.perf_counter() - t0)
+        announced = time.monotonic() - max(0.0, time.time() - written)
+        self._loaded(version, None, f"snapshot {name}", time.perf_counter() - t0, announced)
         return True
 
-    def _loaded(self, version: int, checksum: int | None, source: str, seconds: float) -> None:
+    def _loaded(self, version: int, checksum: int | None, source: str, seconds: float, announced: float) -> None:
         if self.state == "syncing":
             self.state = "ready"
         self.checksum = checksum
         self.m.version.set(version)
         self.m.weight_load_seconds.observe(seconds)
+        self.m.weight_serve_seconds.observe(time.monotonic() - announced)
         log.info("serving weights version %d (%s), loaded in %.2f s", version, source, seconds)
         try:
             self.heartbeat()  # the learner and the buffer see the new version now, not a TTL/3 later
@@ -137,24 +141,38 @@ class Worker:
         if s.eval_every is None or version < self.next_eval:
             return None
         try:
-            if self.eval_items is None:
-                self.eval_items = load_eval_items(s.eval_data, size=s.eval_size)
-                if not self.eval_items:
-                    log.error("no held-out items in %s: the held-out evaluation is off", s.eval_data)
-                    self.next_eval = sys.maxsize
-                    return None
-            params = SamplingParams(s.temperature, s.eval_top_p, s.max_response_tokens, s.eval_seed)
-            report, _ = evaluate(self.engine, self.eval_items, self.reward, k=s.eval_k, params=params,
+            items = self.held_out()
+            if items is None:
+                return None
+            report, _ = evaluate(self.engine, items, self.reward, k=s.eval_k, params=self.eval_params(),
                                  chat_template=s.chat_template)  # fmt: skip
         except (FileNotFoundError, RewardUnavailable, RewardRejected) as e:  # no eval.jsonl yet; reward down
             log.warning("held-out evaluation of version %d postponed: %s", version, e)
             return None
+        return self.publish_eval(report)
+
+    def held_out(self) -> list[Item] | None:
+        """The held-out items (read once; None: there are none, and the evaluation is off)."""
+        if self.eval_items is None:
+            self.eval_items = load_eval_items(self.s.eval_data, size=self.s.eval_size)
+            if not self.eval_items:
+                log.error("no held-out items in %s: the held-out evaluation is off", self.s.eval_data)
+                self.next_eval = sys.maxsize
+                return None
+        return self.eval_items
+
+    def eval_params(self) -> SamplingParams:
+        s = self.s
+        return SamplingParams(s.temperature, s.eval_top_p, s.max_response_tokens, s.eval_seed)
+
+    def publish_eval(self, report: EvalReport, newest: int | None = None, later_frac: float = 0.0) -> EvalResult:
+        s, version = self.s, report.version
         result = EvalResult(version=version, replica_id=s.replica_id, k=report.k, n_prompts=report.n_prompts,
                             avg_at_k=report.avg_at_k, pass_at_k=report.pass_at_k,
                             mean_response_tokens=report.mean_response_tokens, truncated_frac=report.truncated_frac,
-                            seconds=report.seconds)  # fmt: skip
+                            seconds=report.seconds, newest_version=newest, later_token_frac=later_frac)  # fmt: skip
         self.eval_out.publish(result)
-        self.next_eval = (version // s.eval_every + 1) * s.eval_every
+        self.next_eval = (version // s.eval_every + 1) * s.eval_every if s.eval_every else sys.maxsize
         self.m.eval_avg.set(report.avg_at_k)
         self.m.eval_pass.set(report.pass_at_k)
         self.m.eval_version.set(version)
@@ -254,8 +272,8 @@ class Worker:
         groups = []
         for task, prompt, o in zip(tasks, gen.prompts, gen.outs, strict=True):
             samples = [Sample(response_token_ids=c.token_ids, response_text=c.text, logprobs=c.logprobs,
-                              finish_reason=c.finish_reason, policy_version=gen.version,
-                              temperature=self.params.temperature, top_p=self.params.top_p) for c in o]  # fmt: skip
+                              finish_reason=c.finish_reason, temperature=self.params.temperature,
+                              top_p=self.params.top_p, **versions(c, gen.version)) for c in o]  # fmt: skip
             scores = []
             for _ in o:
                 r = next(results)
@@ -263,6 +281,13 @@ class Worker:
             task = task.model_copy(update={"prompt_token_ids": TokenIds(prompt)})  # the learner trains on these
             groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id=self.s.replica_id))
         return groups
+
+
+def versions(c: Completion, version: int) -> dict[str, Any]:
+    """A sample's policy version (of its first token) and, from a streaming engine, the version of every token."""
+    if not c.versions:
+        return {"policy_version": version}
+    return {"policy_version": c.versions[0][0], "version_runs": [list(r) for r in c.versions]}
 
 
 def seeded(params: SamplingParams, seed: int | None, task_ids: list[str]) -> SamplingParams:

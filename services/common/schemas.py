@@ -14,6 +14,7 @@ Data path (README, "Architecture"):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from typing import Literal, Self
 
@@ -58,9 +59,11 @@ class PromptTask(Message):
 class Sample(Message):
     """One sampled response, with the behaviour log-prob of every response token and how it was sampled.
 
-    Schema 2 added `temperature` and `top_p`; a schema-1 sample (without them) reads as sampled at 1.0 and 1.0."""
+    Schema 2 added `temperature` and `top_p`; a schema-1 sample (without them) reads as sampled at 1.0 and 1.0.
+    Schema 3 added `version_runs`, the policy version of every token (a streaming replica loads weights while
+    sequences are in flight, rollout/streaming.py); a sample without them was sampled by `policy_version` alone."""
 
-    schema_version: Literal[1, 2] = 2  # type: ignore[assignment]
+    schema_version: Literal[1, 2, 3] = 3  # type: ignore[assignment]
     response_token_ids: TokenIds
     response_text: str
     logprobs: LogProbs = Field(
@@ -68,14 +71,35 @@ class Sample(Message):
         "`temperature` (the learner applies the same temperature to its logits)."
     )
     finish_reason: FinishReason
-    policy_version: int = Field(ge=0, description="Version of the weights that generated this sample.")
+    policy_version: int = Field(
+        ge=0, description="Version of the weights that generated this sample: of its first (oldest) token."
+    )
     temperature: FiniteFloat = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy; logprobs at 1).")
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of this sample.")
+    version_runs: list[tuple[int, int]] | None = Field(
+        None, description="The version that sampled each token, as run-lengths [[version, tokens], ...] in token "
+        "order, versions increasing, the first = policy_version; None: every token by policy_version."
+    )  # fmt: skip
 
     @property
     def truncated(self) -> bool:
         """Hit the response-length limit (overlong shaping and filtering use this)."""
         return self.finish_reason == "length"
+
+    @property
+    def newest_version(self) -> int:
+        return self.version_runs[-1][0] if self.version_runs else self.policy_version
+
+    @property
+    def n_versions(self) -> int:
+        """How many policy versions sampled this response's tokens (1: none loaded while it was in flight)."""
+        return len(self.version_runs) if self.version_runs else 1
+
+    def token_versions(self) -> list[int]:
+        """The policy version of each response token."""
+        if not self.version_runs:
+            return [self.policy_version] * len(self.response_token_ids)
+        return [v for v, n in self.version_runs for _ in range(n)]
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -84,6 +108,17 @@ class Sample(Message):
                 f"logprobs: {len(self.logprobs)} log-probs for "
                 f"{len(self.response_token_ids)} response tokens; they must match one to one"
             )
+        runs = self.version_runs
+        if runs is None:
+            return self
+        versions = [v for v, _ in runs]
+        if sum(n for _, n in runs) != len(self.response_token_ids) or any(n < 1 for _, n in runs):
+            raise ValueError(f"version_runs: {runs} do not cover the {len(self.response_token_ids)} response tokens "
+                             "with runs of at least one token")  # fmt: skip
+        rising = all(b > a for a, b in itertools.pairwise(versions))
+        if versions and (versions[0] != self.policy_version or not rising):
+            raise ValueError(f"version_runs: versions {versions} must increase from policy_version "
+                             f"{self.policy_version}")  # fmt: skip
         return self
 
 
@@ -249,6 +284,13 @@ class EvalResult(Message):
     mean_response_tokens: FiniteFloat = Field(ge=0.0)
     truncated_frac: FiniteFloat = Field(ge=0.0, le=1.0)
     seconds: FiniteFloat = Field(ge=0.0)
+    newest_version: int | None = Field(
+        None, ge=0, description="A streaming replica evaluates beside training and loads weights meanwhile: the "
+        "newest version that sampled any of its tokens (None: all by `version`)."
+    )  # fmt: skip
+    later_token_frac: FiniteFloat = Field(
+        0.0, ge=0.0, le=1.0, description="Share of its tokens sampled by versions newer than `version`."
+    )
     created_at: float = Field(default_factory=time.time)
 
 

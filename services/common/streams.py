@@ -332,7 +332,7 @@ class StreamConsumer(Generic[M]):
     # -- reading
 
     def read(self, count: int = 1, block_ms: int = 1000) -> list[Delivery[M]]:
-        """Up to `count` valid messages; blocks up to `block_ms` when nothing is waiting."""
+        """Up to `count` valid messages; blocks up to `block_ms` when nothing is waiting (0: returns at once)."""
         timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
         if timeout is not None and block_ms >= timeout * 1000:
             raise ValueError(f"block_ms={block_ms} must be shorter than the socket timeout ({timeout} s)")
@@ -402,7 +402,8 @@ class StreamConsumer(Generic[M]):
         self.held.difference_update(entry_ids)
 
     def _read_new(self, count: int, block_ms: int) -> list[Delivery[M]]:
-        resp = self.client.xreadgroup(self.group, self.name, {self.stream: ">"}, count=count, block=block_ms)
+        block = block_ms if block_ms > 0 else None  # BLOCK 0 would wait forever: 0 means do not wait
+        resp = self.client.xreadgroup(self.group, self.name, {self.stream: ">"}, count=count, block=block)
         return self._admit(resp[0][1] if resp else [], counted=False)
 
     def _admit(self, entries: list[Any], *, counted: bool) -> list[Delivery[M]]:

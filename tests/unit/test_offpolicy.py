@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from learner.offpolicy import MODES, gap_by_lag, gap_metrics, importance_weights
+from learner.offpolicy import MODES, gap_by_lag, gap_metrics, importance_weights, token_versions
 
 CAP = 2.0
 
@@ -83,10 +83,27 @@ def test_gap_metrics_match_the_reference() -> None:
     assert same == {"behav_kl": 0.0, "logp_gap_mean": 0.0, "logp_gap_p99": 0.0}  # on-policy: no gap
 
 
-def test_gap_by_lag_splits_the_samples() -> None:
+def test_gap_by_lag_splits_the_tokens() -> None:
     prox, behav, mask = ragged()
-    lags = torch.tensor([1, 2, 1, 0])
+    lags = torch.tensor([1, 2, 1, 0]).unsqueeze(-1).expand_as(mask).clone()
+    lags[2, :3] = 0  # the third sample spans a weight update: its first three tokens lag 0, the rest lag 1
     got = gap_by_lag(prox, behav, mask, lags)
     assert set(got) == {f"{k}_lag{n}" for k in ("behav_kl", "logp_gap_mean", "logp_gap_p99") for n in (0, 1, 2)}
     rows = torch.tensor([True, False, True, False])
-    assert got["logp_gap_mean_lag1"] == gap_metrics(prox[rows], behav[rows], mask[rows])["logp_gap_mean"]
+    by_rows = gap_metrics(prox[rows], behav[rows], mask[rows])["logp_gap_mean"]
+    assert got["logp_gap_mean_lag1"] != pytest.approx(by_rows)  # the spanning sample's lag-1 tokens count too
+    sel = (mask > 0) & (lags == 1)
+    assert got["logp_gap_mean_lag1"] == pytest.approx(float((prox - behav).clamp(-20, 20)[sel].abs().mean()))
+    sel0 = (mask > 0) & (lags == 0)
+    assert got["logp_gap_mean_lag0"] == pytest.approx(float((prox - behav).clamp(-20, 20)[sel0].abs().mean()))
+
+
+def test_token_versions_count_tokens_and_spanning_samples() -> None:
+    _, _, mask = ragged()
+    versions = torch.full((4, 7), 5, dtype=torch.long)
+    versions[2, 3:] = 6  # sample 2 spans an update at its fourth token
+    versions[0, 0] = 1  # outside sample 0's response (mask 0 there): ignored
+    got = token_versions(versions, mask, version=7)
+    n = float(mask.sum())
+    assert got["token_lag_mean"] == pytest.approx((2 * n - 4) / n)  # sample 2's last 4 tokens lag 1, the rest 2
+    assert got["multi_version_frac"] == pytest.approx(1 / 4)

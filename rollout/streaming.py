@@ -1,0 +1,185 @@
+"""A vLLM engine that never stops: continuous batching, weights loaded while sequences are in flight, and the
+policy version of every sampled token.
+
+    stream = StreamingEngine(VllmEngine(model_dir), update="keep")
+    stream.submit("t1", prompt_ids, n=8, params)          # G requests enter the running batch at the next step
+    for key, completions in stream.step():                 # one engine step; the groups whose G samples finished
+        ...                                                # completion.versions: ((version, n_tokens), ...)
+    stream.load_tensors(named, version=8)                  # between two steps, with sequences in flight
+
+This thread steps vLLM's engine (`LLMEngine`, in this process): between two steps the scheduler is paused with
+its requests kept, which is where weights load (what `AsyncLLM.pause_generation(mode="keep")` does for an engine
+in another process; here the broadcast's tensors go to the model without a copy or a pickle). What a load does
+to the sequences in flight is the `update` mode:
+
+    keep        they continue under the new weights from their next token; the K/V of their prefix stays as
+                the old weights computed it (AReaL's interruptible rollouts, PipelineRL's in-flight updates)
+    recompute   they are preempted and their prefix (prompt + tokens so far) re-encoded with the new weights
+                before their next token: every later token is exactly the new policy's
+    drain       the caller stops admitting prompts and loads once nothing is in flight (the chunked loop's
+                behaviour; `draining` says a load waits)
+
+Every token records the version that sampled it: the engine runs one step at a time, so the tokens a step returns
+were sampled by the weights held during that step. A Completion carries them as run-lengths, oldest first.
+New requests carry a cache salt of the version they start under, so a prompt never continues from prefix blocks
+an older version computed (in `keep` mode those blocks stay cached for the sequences that own them).
+On CPU a per-request seed crashes vLLM (rollout/vllm_engine.py): a seed seeds the engine's random stream once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rollout.engine import Completion, SamplingParams, counts
+from rollout.vllm_engine import VllmEngine
+
+log = logging.getLogger(__name__)
+
+UpdateMode = Literal["keep", "recompute", "drain"]
+UPDATE_MODES: tuple[UpdateMode, ...] = ("keep", "recompute", "drain")
+
+
+@dataclass
+class _Sequence:
+    group: str
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    runs: list[list[int]] = field(default_factory=list)  # [[version, tokens], ...]
+
+    def add(self, tokens: list[int], logprobs: list[float], text: str, version: int) -> None:
+        self.tokens += tokens
+        self.logprobs += logprobs
+        self.text.append(text)
+        if not tokens:
+            return
+        if self.runs and self.runs[-1][0] == version:
+            self.runs[-1][1] += len(tokens)
+        else:
+            self.runs.append([version, len(tokens)])
+
+
+@dataclass
+class _Group:
+    n: int
+    priority: int
+    done: dict[int, Completion] = field(default_factory=dict)
+
+
+class StreamingEngine:
+    def __init__(self, engine: VllmEngine, *, update: UpdateMode = "keep", seed: int | None = None):
+        if update not in UPDATE_MODES:
+            raise ValueError(f"unknown weight-update mode {update!r}; use one of {UPDATE_MODES}")
+        self.vllm, self.update = engine, update
+        self.core = engine.llm.llm_engine
+        self.tokenizer, self.dtype = engine.tokenizer, engine.dtype
+        self.seqs: dict[str, _Sequence] = {}  # request id -> sequence in flight
+        self.groups: dict[str, _Group] = {}  # key -> its G samples
+        self.loads = 0
+        if seed is not None:
+            import torch
+
+            torch.manual_seed(seed)
+
+    @property
+    def version(self) -> int:
+        return self.vllm.version
+
+    def in_flight(self, priority: int | None = None) -> int:
+        """Sequences submitted and not finished (of one priority, if given)."""
+        if priority is None:
+            return len(self.seqs)
+        return sum(1 for s in self.seqs.values() if self.groups[s.group].priority == priority)
+
+    def submit(self, key: str, prompt: list[int], n: int, params: SamplingParams, *, priority: int = 0) -> None:
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if key in self.groups:
+            raise ValueError(f"{key!r} is in flight already")
+        sampling = VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+                       logprobs=0, output_kind=RequestOutputKind.DELTA)  # fmt: skip
+        self.groups[key] = _Group(n, priority)
+        request = TokensPrompt(prompt_token_ids=prompt, cache_salt=f"v{self.version}")
+        for j in range(n):
+            rid = f"{key}#{j}"
+            self.seqs[rid] = _Sequence(key, j)
+            self.core.add_request(rid, request, sampling)
+
+    def step(self) -> list[tuple[str, list[Completion]]]:
+        """One engine step; the groups it completed, each as (key, its G completions in submission order)."""
+        if not self.seqs:
+            return []
+        version = self.version
+        finished: list[tuple[str, list[Completion]]] = []
+        for out in self.core.step():
+            seq = self.seqs.get(out.request_id)
+            if seq is None:
+                continue
+            c = out.outputs[0]  # type: ignore[index]
+            steps = c.logprobs or []
+            if len(steps) != len(c.token_ids) or any(step is None for step in steps):
+                raise RuntimeError("vLLM returned no log-prob for some sampled token (logprobs=0 was requested)")
+            logps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, steps, strict=True)]  # type: ignore[index]
+            seq.add(list(c.token_ids), logps, c.text, version)
+            if not out.finished:
+                continue
+            del self.seqs[out.request_id]
+            reason = "length" if c.finish_reason == "length" else "abort" if c.finish_reason == "abort" else "stop"
+            runs = tuple((v, k) for v, k in seq.runs)
+            group = self.groups[seq.group]
+            group.done[seq.index] = Completion(seq.tokens, "".join(seq.text), seq.logprobs, reason, runs)  # type: ignore[arg-type]
+            if len(group.done) == group.n:
+                del self.groups[seq.group]
+                finished.append((seq.group, [group.done[j] for j in range(group.n)]))
+        return finished
+
+    def abort(self) -> None:
+        """Drop everything in flight (a replica stopping: its prompts stay pending in Redis for another)."""
+        if self.seqs:
+            self.core.abort_request(list(self.seqs))
+        self.seqs.clear()
+        self.groups.clear()
+
+    # ------------------------------------------------------------------ weights, between two steps
+
+    @property
+    def draining(self) -> bool:
+        """In `drain` mode a load waits until nothing is in flight."""
+        return self.update == "drain" and bool(self.seqs)
+
+    def load_tensors(self, named: Iterator[tuple[str, Any]], version: int) -> None:
+        self._load(lambda: self.vllm.load_tensors(named, version, keep_running=self.update == "keep"))
+
+    def load_weights(self, hf_dir: Path, version: int) -> None:
+        self._load(lambda: self.vllm.load_weights(hf_dir, version, keep_running=self.update == "keep"))
+
+    def _load(self, load: Any) -> None:
+        if self.draining:
+            raise RuntimeError("drain mode: weights load once no sequence is in flight")
+        t0 = time.perf_counter()
+        load()  # keep: the running requests stay; recompute: they are preempted and re-encoded (vllm_engine.py)
+        self.loads += 1
+        log.debug("version %d loaded with %d sequences in flight (%s) in %.2f s", self.version, len(self.seqs),
+                  self.update, time.perf_counter() - t0)  # fmt: skip
+
+    # ------------------------------------------------------------------ the Engine protocol (warm-up, tests)
+
+    def generate(self, prompts: list[list[int]], n: int | list[int], params: SamplingParams) -> list[list[Completion]]:
+        """Run these prompts to the end, nothing else in flight; their completions in order."""
+        if self.seqs:
+            raise RuntimeError("generate() needs an idle engine: sequences are in flight")
+        keys = [f"generate/{time.monotonic_ns()}/{i}" for i in range(len(prompts))]
+        for key, prompt, k in zip(keys, prompts, counts(prompts, n), strict=True):
+            self.submit(key, prompt, k, params)
+        done: dict[str, list[Completion]] = {}
+        while len(done) < len(keys):
+            done.update(self.step())
+        return [done[k] for k in keys]
