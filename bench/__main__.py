@@ -12,6 +12,7 @@ if __name__ == "__main__":
         + placement.run()
         + rollout.run()
         + rollout.dtype_rows()
+        + rollout.inflight_rows()
         + weight_sync.run()
         + mesh.run()
     )

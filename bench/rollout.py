@@ -151,13 +151,91 @@ def dtype_rows(model_dir: Path | None = None) -> list[Result]:
     return rows
 
 
+INFLIGHT_SCRIPT = """
+import json, math, random, sys, time
+if __name__ == "__main__":
+    from pathlib import Path
+    import torch
+    from safetensors.torch import load_file
+    from rollout.engine import SamplingParams, encode_prompt
+    from rollout.streaming import StreamingEngine
+    from rollout.vllm_engine import VllmEngine
+    model, n, lo, hi, bound, every = sys.argv[1], *map(int, sys.argv[2:7])
+    engine = VllmEngine(model, kv_cache_gib=2, max_model_len=1024, dtype="bf16")
+    files = sorted(Path(model).glob("*.safetensors"))
+    state = {k: v for f in files for k, v in load_file(f).items()}
+    g = torch.Generator().manual_seed(0)
+    other = {k: v + 1e-3 * torch.randn(v.shape, generator=g).to(v.dtype) for k, v in state.items()}
+    rng = random.Random(0)  # the same prompts and lengths for every mode: log-uniform in [lo, hi]
+    lengths = [int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(n)]
+    prompts = [encode_prompt(engine.tokenizer, f"What is {i} + {3 * i + 1}? Explain.") for i in range(n)]
+    out = {}
+    for mode in ("none", "keep", "recompute", "drain"):
+        stream = StreamingEngine(engine, update="keep" if mode == "none" else mode, seed=1)
+        stream.generate(prompts[:2], 1, SamplingParams(max_tokens=8))  # warm-up
+        t0 = last = time.perf_counter()
+        nxt, tokens, loads, version = 0, 0, 0, engine.version
+        while nxt < n or stream.in_flight():
+            due = mode != "none" and time.perf_counter() - last >= every
+            if due and not stream.draining:
+                version += 1
+                stream.load_tensors(iter((other if version % 2 else state).items()), version)
+                last, loads = time.perf_counter(), loads + 1
+            while nxt < n and stream.in_flight() < bound and not (due and mode == "drain"):
+                stream.submit(str(nxt), prompts[nxt], 1, SamplingParams(max_tokens=lengths[nxt], ignore_eos=True))
+                nxt += 1
+            tokens += sum(len(c.token_ids) for _, o in stream.step() for c in o)
+        out[mode] = {"tokens_per_s": tokens / (time.perf_counter() - t0), "loads": loads, "tokens": tokens}
+    print("RESULT " + json.dumps(out))
+"""
+INFLIGHT = {"requests": 64, "lo": 16, "hi": 384, "bound": 32, "every_s": 3}
+
+
+def inflight_rows(model_dir: Path | None = None) -> list[Result]:
+    """The streaming replica's weight-update modes (rollout/streaming.py) on SmolLM2-135M bf16: generated tokens/s
+    with new weights every few seconds, long-tailed lengths (log-uniform 16-384 tokens), 32 sequences in flight,
+    the same prompts and lengths for each mode, one engine. Limit: the same stream with no update at all."""
+    import json
+    import subprocess
+    import sys
+
+    from services.common.models import prepare_smollm2
+    from services.mesh.layout import RunLayout
+
+    model_dir = model_dir or prepare_smollm2(RunLayout(Path(".dapo")).smollm2)
+    tmp = Path(tempfile.mkdtemp(prefix="dapo-bench-"))
+    (tmp / "inflight.py").write_text(INFLIGHT_SCRIPT)
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "VLLM_CACHE_ROOT": str(tmp / "v"),
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+    args = [str(INFLIGHT[k]) for k in ("requests", "lo", "hi", "bound", "every_s")]
+    r = subprocess.run([sys.executable, str(tmp / "inflight.py"), str(model_dir), *args], env=env,
+                       capture_output=True, text=True, timeout=1800)  # fmt: skip
+    if r.returncode:
+        raise RuntimeError(f"bench.rollout in-flight updates: {r.stderr[-2000:]}")
+    data = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    none = data["none"]["tokens_per_s"]
+    what = (f"vllm SmolLM2-135M bf16, {INFLIGHT['requests']} requests of {INFLIGHT['lo']}-{INFLIGHT['hi']} tokens, "
+            f"{INFLIGHT['bound']} in flight, new weights every {INFLIGHT['every_s']} s")  # fmt: skip
+    rows = [Result("rollout", f"{what}: {mode} ({data[mode]['loads']} loads)", data[mode]["tokens_per_s"], none,
+                   "tokens/s", "the same stream, no weight update", "≥ 0.9" if mode == "keep" else "—")
+            for mode in ("keep", "recompute", "drain")]  # fmt: skip
+    keep, drain = data["keep"]["tokens_per_s"], data["drain"]["tokens_per_s"]
+    rows.append(Result("rollout", "in-flight updates: keep vs drain", keep, drain, "tokens/s",
+                       "drain: no admission, load when empty", "≥ 1.3"))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--dtypes", action="store_true", help="Only the bf16 vs fp32 rows, on SmolLM2-135M.")
+    ap.add_argument("--inflight", action="store_true", help="Only the weight-update modes, on SmolLM2-135M.")
     args = ap.parse_args()
-    print_table(dtype_rows() if args.dtypes else run(args.engine, args.model) + dtype_rows())
+    if args.dtypes or args.inflight:
+        print_table((dtype_rows() if args.dtypes else []) + (inflight_rows() if args.inflight else []))
+    else:
+        print_table(run(args.engine, args.model) + dtype_rows() + inflight_rows())
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 256
     seed: int | None = None
+    ignore_eos: bool = False  # generate max_tokens whatever is sampled (benchmarks: lengths as drawn)
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ class StreamingEngine:
         if key in self.groups:
             raise ValueError(f"{key!r} is in flight already")
         sampling = VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
-                       logprobs=0, output_kind=RequestOutputKind.DELTA)  # fmt: skip
+                       logprobs=0, output_kind=RequestOutputKind.DELTA, ignore_eos=params.ignore_eos)  # fmt: skip
         self.groups[key] = _Group(n, priority)
         request = TokensPrompt(prompt_token_ids=prompt, cache_salt=f"v{self.version}")
         for j in range(n):

@@ -160,7 +160,7 @@ class ScoredGroup(Message):
 
     @property
     def max_version(self) -> int:
-        return max(s.policy_version for s in self.samples)
+        return max(s.newest_version for s in self.samples)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -190,8 +190,8 @@ class TrainBatch(Message):
 
     batch_id: int = Field(ge=0, description="Monotonically increasing; the learner trains each once.")
     groups: list[ScoredGroup] = Field(min_length=1)
-    min_version: int = Field(ge=0, description="Oldest policy version of any sample in the batch.")
-    max_version: int = Field(ge=0, description="Newest policy version of any sample in the batch.")
+    min_version: int = Field(ge=0, description="Oldest policy version of any token in the batch.")
+    max_version: int = Field(ge=0, description="Newest policy version of any token in the batch.")
     created_at: float = Field(default_factory=time.time)
 
     def digest(self) -> str:

@@ -156,7 +156,7 @@ def decode(fields: dict[bytes, bytes], model: type[M], *, max_bytes: int = DEFAU
         raise DecodeError("not_msgpack", f"body is not valid msgpack: {e}") from e
     known = get_args(model.model_fields["schema_version"].annotation) or (SCHEMA_VERSION,)
     if isinstance(body, dict) and body.get("schema_version", SCHEMA_VERSION) not in known:
-        speaks = " or ".join(map(str, known))
+        speaks = " or ".join(map(str, known)) if len(known) < 3 else f"{', '.join(map(str, known[:-1]))} or {known[-1]}"
         raise DecodeError(
             "schema_version",
             f"schema_version {body['schema_version']!r} is not {speaks}, what this consumer speaks: upgrade the "

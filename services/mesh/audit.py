@@ -14,7 +14,10 @@ directory, and puts every dispatched prompt (task id) in exactly one place:
     dead_lettered  moved to the dead-letter stream
     vanished       none of the above: a loss. Must be empty.
 
-It also checks that no batch id is in the weights twice and that no group is in two batches.
+It also checks that no batch id is in the weights twice and that no group is in two batches, and reports how old
+the trained tokens were: the version lag of every response token of the trained batches still in the stream (the
+learner's version at the update minus the version that sampled the token, from each sample's per-token versions),
+and how many samples spanned more than one version (a streaming replica loads weights in flight).
 The streams keep what the services' trimming settings keep: for a complete audit, run with trimming
 above the run's size (the chaos test does); anything trimmed is reported, not guessed.
 """
@@ -62,6 +65,9 @@ class AuditReport:
     dead_letters: int = 0
     restarts: dict[str, int] = field(default_factory=dict)  # from the mesh's supervisor.jsonl
     trimmed_prompts: bool = False
+    token_lag: dict[int, int] = field(default_factory=dict)  # version lag -> trained response tokens
+    samples_trained: int = 0  # samples of the trained batches found in the stream
+    samples_spanning: int = 0  # ... whose tokens span more than one policy version
 
     @property
     def balanced(self) -> bool:
@@ -140,10 +146,13 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     in_weights = set(keys)
 
     batch_groups: dict[str, set[str]] = {}
+    batches: dict[str, TrainBatch] = {}
     for _, f in _entries(client, STREAM_BATCHES):
         b = decode(f, TrainBatch)
+        batches.setdefault(b.digest(), b)
         batch_groups.setdefault(b.digest(), {g.group_id for g in b.groups})
     ledger = read_ledger(paths.learner)
+    token_lags(r, {e.digest: (e.version - 1, batches[e.digest]) for e in ledger if e.digest in batches})
     trained_groups: dict[str, set[str]] = {}  # what each trained batch put in the weights: the ledger's task ids
     for e in ledger:
         batch_groups.setdefault(e.digest or f"#{e.batch_id}", set(e.task_ids))
@@ -178,6 +187,18 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     if sup.exists():
         r.restarts = dict(Counter(json.loads(x)["service"] for x in sup.read_text().splitlines() if x.strip()))
     return r
+
+
+def token_lags(r: AuditReport, trained: dict[str, tuple[int, TrainBatch]]) -> None:
+    """The version lag of every response token of the trained batches (each at the version it was trained at)."""
+    lags: Counter[int] = Counter()
+    for at, batch in trained.values():
+        for g in batch.groups:
+            for smp in g.samples:
+                lags.update(at - v for v in smp.token_versions())
+                r.samples_trained += 1
+                r.samples_spanning += smp.n_versions > 1
+    r.token_lag = dict(sorted(lags.items()))
 
 
 def _task_ids_of_dead_letter(fields: dict[bytes, bytes]) -> set[str]:

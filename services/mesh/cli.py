@@ -165,6 +165,8 @@ def audit(
                       f"{report.groups_in_two_batches or 'none'}; trainings lost in learner crashes: "
                       f"{report.trainings_lost_in_crashes}; dead letters: {report.dead_letters}; "
                       f"restarts: {report.restarts or 'none'}")  # fmt: skip
+        console.print(f"trained tokens by version lag: {report.token_lag or '-'}; samples spanning more than one "
+                      f"version: {report.samples_spanning} of {report.samples_trained}")  # fmt: skip
         console.print("[green]balanced[/]" if report.balanced else f"[red]NOT balanced[/]: vanished {report.vanished}")
     raise typer.Exit(0 if report.balanced else 1)
 

@@ -86,6 +86,9 @@ def mesh_numbers(states: list[ServiceState]) -> dict[str, float]:
     lag_n = value(states, "dapo_buffer_version_lag_count", prefix="buffer")
     sync_sum = value(states, "dapo_learner_sync_seconds_sum", prefix="learner")
     sync_n = value(states, "dapo_learner_sync_seconds_count", prefix="learner")
+    serve_sum = value(states, "dapo_rollout_weight_serve_seconds_sum", prefix="rollout")
+    serve_n = value(states, "dapo_rollout_weight_serve_seconds_count", prefix="rollout")
+    samples = value(states, "dapo_rollout_samples_total", prefix="rollout")
     return {
         "groups_received": received,
         "filtered_frac": 1 - kept / received if received > 0 else math.nan,  # NaN > 0 is False
@@ -93,6 +96,11 @@ def mesh_numbers(states: list[ServiceState]) -> dict[str, float]:
         "rollout_tokens_per_s": value(states, "dapo_rollout_tokens_per_second", prefix="rollout"),
         "replica_version_min": value(states, "dapo_rollout_weight_version", prefix="rollout", how="min"),
         "sync_seconds_mean": sync_sum / sync_n if sync_n else math.nan,
+        "rollout_idle_frac": value(states, "dapo_rollout_idle_fraction", prefix="rollout", how="mean"),
+        "weight_serve_seconds_mean": serve_sum / serve_n if serve_n else math.nan,
+        "multi_version_frac": value(states, "dapo_rollout_multi_version_samples_total", prefix="rollout") / samples
+        if samples
+        else math.nan,
         "reward_items": value(states, "dapo_reward_items_total", prefix="reward"),
     }
 
@@ -121,14 +129,16 @@ class LiveView:
         m = self.last
         n = mesh_numbers(self.states) if self.states else {}
         train = Table("reward", "accuracy", "entropy", "clip ↑", "clip ↓", "behav KL", "filtered", "version lag",
-                      "gen tok/s", "train tok/s", "sync s", title="last step", title_justify="left")  # fmt: skip
+                      "gen tok/s", "idle", "spans", "train tok/s", "sync s", "serve s", title="last step",
+                      title_justify="left")  # fmt: skip
         train.add_row(
             _fmt(m.get("reward_mean"), "+.3f"), _fmt(m.get("acc_mean")), _fmt(m.get("entropy")),
             _fmt(m.get("clip_frac_upper"), ".4f"), _fmt(m.get("clip_frac_lower"), ".4f"),
             _fmt(m.get("behav_kl"), ".4f"),
             _fmt(n.get("filtered_frac"), ".0%"), _fmt(n.get("version_lag_mean"), ".2f"),
-            _fmt(n.get("rollout_tokens_per_s"), ".0f"), _fmt(m.get("tokens_per_s"), ".0f"),
-            _fmt(m.get("sync_seconds"), ".2f"),
+            _fmt(n.get("rollout_tokens_per_s"), ".0f"), _fmt(n.get("rollout_idle_frac"), ".0%"),
+            _fmt(n.get("multi_version_frac"), ".0%"), _fmt(m.get("tokens_per_s"), ".0f"),
+            _fmt(m.get("sync_seconds"), ".2f"), _fmt(n.get("weight_serve_seconds_mean"), ".2f"),
         )  # fmt: skip
         health = Table("service", "port", "state", "restarts", "detail", title="services", title_justify="left")
         for st in self.states:

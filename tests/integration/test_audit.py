@@ -44,3 +44,21 @@ def test_a_group_dropped_as_a_duplicate_of_itself_is_lost(server: EmbeddedRedis,
     assert report.vanished == [lost.message.group_id]
     assert report.places["vanished"] == 1 and report.places["dropped"] == 1 and report.places["at_buffer"] == 1
     assert report.dropped_by_reason == {"duplicate": 2, "all_correct": 1} and not report.balanced
+
+
+def test_token_lags_count_every_trained_token_by_the_version_that_sampled_it() -> None:
+    from services.common.schemas import TrainBatch
+    from services.mesh.audit import AuditReport, token_lags
+
+    g = example_group(0)
+    n = len(g.samples[0].response_token_ids)
+    spanning = g.samples[0].model_copy(update={"policy_version": 3, "version_runs": [(3, 2), (5, n - 2)]})
+    plain = [s.model_copy(update={"policy_version": 4}) for s in g.samples[1:]]
+    group = g.model_copy(update={"samples": [spanning, *plain]})
+    batch = TrainBatch(batch_id=0, groups=[group], min_version=group.min_version, max_version=group.max_version)
+    assert (batch.min_version, batch.max_version) == (3, 5)  # the oldest and the newest token
+    r = AuditReport()
+    token_lags(r, {"d": (5, batch)})  # trained at version 5
+    others = sum(len(s.response_token_ids) for s in plain)
+    assert r.token_lag == {0: n - 2, 1: others, 2: 2}
+    assert (r.samples_trained, r.samples_spanning) == (len(g.samples), 1)

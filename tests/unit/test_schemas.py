@@ -149,8 +149,26 @@ def test_a_schema_1_sample_still_reads() -> None:
     del body["temperature"], body["top_p"]
     old = decode({b"type": b"Sample", b"data": msgpack.packb(body)}, Sample)
     assert (old.schema_version, old.temperature, old.top_p) == (1, 1.0, 1.0)
-    with pytest.raises(DecodeError, match="schema_version 3 is not 1 or 2"):
-        decode({b"type": b"Sample", b"data": msgpack.packb(body | {"schema_version": 3})}, Sample)
+    two = decode({b"type": b"Sample", b"data": msgpack.packb(body | {"schema_version": 2})}, Sample)
+    assert two.version_runs is None and two.token_versions() == [two.policy_version] * len(two.response_token_ids)
+    with pytest.raises(DecodeError, match="schema_version 4 is not 1, 2 or 3"):
+        decode({b"type": b"Sample", b"data": msgpack.packb(body | {"schema_version": 4})}, Sample)
+
+
+def test_version_runs_give_every_token_its_version() -> None:
+    """Schema 3: a sample that spans in-flight weight updates carries the version of every token as run-lengths."""
+    s = example_group(0).samples[0]
+    n = len(s.response_token_ids)
+    spanning = s.model_copy(update={"policy_version": 3, "version_runs": [(3, 5), (4, n - 6), (6, 1)]})
+    back = decode({b"type": b"Sample", b"data": msgpack.packb(spanning.model_dump())}, Sample)
+    assert back.token_versions() == [3] * 5 + [4] * (n - 6) + [6]
+    assert (back.policy_version, back.newest_version, back.n_versions) == (3, 6, 3)
+    body = spanning.model_dump()
+    for runs, why in [([(3, 5), (4, n - 5 - 2)], "do not cover"), ([(3, 5), (4, 0), (5, n - 5)], "do not cover"),
+                      ([(2, 5), (4, n - 5)], "must increase from policy_version 3"),
+                      ([(3, 5), (3, n - 5)], "must increase")]:  # fmt: skip
+        with pytest.raises(DecodeError, match=why):
+            decode({b"type": b"Sample", b"data": msgpack.packb(body | {"version_runs": runs})}, Sample)
 
 
 def test_decode_future_schema_version() -> None:
