@@ -30,6 +30,10 @@ class RolloutSettings(ServiceSettings, RedisSettings):
         "under the new weights, their K/V kept), recompute (re-encode their prefix first) or drain (stop admitting, "
         "load when none is in flight)."
     )  # fmt: skip
+    eval_mode: Literal["shared", "stop"] = Field(
+        "shared", description="vLLM (streaming): the held-out evaluation beside training's sequences (shared), or "
+        "after draining them, chunked and seeded: the numbers `dapo-mesh eval` gives (stop)."
+    )  # fmt: skip
     eval_share: float = Field(
         0.25, gt=0, le=1, description="vLLM (streaming): the held-out evaluation's share of the sequences in flight."
     )

@@ -8,10 +8,12 @@ engine step (rollout/streaming.py). Prompts in flight stay pending in Redis, kep
 point leaves them to be reclaimed. A reward outage holds the finished groups and admits nothing new until they
 are scored (as the chunked loop, rollout/worker.py); sequences in flight still finish.
 
-The held-out evaluation shares the engine: its prompts enter beside training's, at most `eval_share` of the
-sequences in flight, so training's rollouts never stop for it. Weights may change while it runs: it is reported
-as the evaluation of the version it began with, with the newest version that sampled any of its tokens and the
-share of its tokens sampled by later versions (EvalResult).
+The held-out evaluation shares the engine (`--eval-mode shared`): its prompts enter beside training's, at most
+`eval_share` of the sequences in flight, so training's rollouts never stop for it. Weights may change while it
+runs: it is reported as the evaluation of the version it began with, with the mean and newest versions that
+sampled its tokens and the share sampled by later versions (EvalResult). Its samples are not seeded one by one
+(vLLM on CPU cannot seed a request); `--eval-mode stop` drains the engine and runs the chunked, seeded evaluation
+instead, the numbers `dapo-mesh eval` gives.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class StreamWorker(Worker):
         self.finished: list[tuple[Delivery[PromptTask], list[int], list[Completion]]] = []  # generated, unpublished
         self.evaluation: _Evaluation | None = None
         self.waiting_load = False  # drain mode: new weights wait for the sequences in flight
+        self.eval_waiting = False  # --eval-mode stop: the evaluation waits for the sequences in flight
         self.group_size = 1  # samples per prompt, as the last prompt asked: how many prompts fit
         self.last, self.idle = time.monotonic(), True
         self.busy: deque[tuple[float, float, bool]] = deque()  # (start, seconds, idle) over the idle window
@@ -103,7 +106,7 @@ class StreamWorker(Worker):
     def admit(self) -> None:
         """Read as many prompts as fit under the bound on sequences in flight; none while groups are held for a
         reward outage or weights wait for a drain."""
-        if self.unscored is not None or self.finished or self.waiting_load:
+        if self.unscored is not None or self.finished or self.waiting_load or self.eval_waiting:
             self.consumer.keep_alive()
             return
         room = self.s.max_in_flight - self.engine.in_flight()
@@ -118,9 +121,14 @@ class StreamWorker(Worker):
             if key in self.flight:
                 continue  # our own entry again (a replay after a restart of the consumer): it is in flight
             prompt = self.prompt_ids(task)
+            try:
+                self.engine.submit(key, prompt, task.n_samples, self.call_params([task]))
+            except ValueError as e:  # the engine refuses this prompt (too long for its context): not retried
+                log.error("prompt %s dead-lettered: the engine refused it: %s", task.task_id, e)
+                self.consumer.dead_letter([d], "engine_rejected", str(e)[:500])
+                continue
             self.flight[key] = (d, prompt)
             self.group_size = max(1, task.n_samples)
-            self.engine.submit(key, prompt, task.n_samples, self.call_params([task]))
 
     def _finished(self, key: str, outs: list[Completion]) -> None:
         for c in outs:
@@ -163,6 +171,12 @@ class StreamWorker(Worker):
         if self.evaluation is None:
             if s.eval_every is None or self.engine.version < self.next_eval:
                 return
+            if s.eval_mode == "stop":  # stop the world: drain, then the chunked, seeded evaluation
+                self.eval_waiting = True
+                if not self.engine.in_flight():
+                    self.maybe_evaluate(self.engine.vllm)  # `dapo-mesh eval`'s numbers for these weights and seed
+                    self.eval_waiting = False
+                return
             try:
                 items = self.held_out()
             except FileNotFoundError as e:  # no eval.jsonl yet
@@ -195,11 +209,7 @@ class StreamWorker(Worker):
             return
         self.evaluation = None
         report = summarize(ev.items, samples, self.s.eval_k, ev.version, time.perf_counter() - ev.t0)
-        runs = [r for o in outs for c in o for r in (c.versions or ())]
-        total = sum(n for _, n in runs)
-        later = sum(n for v, n in runs if v > ev.version)
-        self.publish_eval(report, newest=max((v for v, _ in runs), default=ev.version),
-                          later_frac=later / total if total else 0.0)  # fmt: skip
+        self.publish_eval(report, [r for o in outs for c in o for r in (c.versions or ())])
 
     # ---------------------------------------------------------------- metrics
 

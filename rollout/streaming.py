@@ -106,12 +106,18 @@ class StreamingEngine:
             raise ValueError(f"{key!r} is in flight already")
         sampling = VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
                        logprobs=0, output_kind=RequestOutputKind.DELTA, ignore_eos=params.ignore_eos)  # fmt: skip
-        self.groups[key] = _Group(n, priority)
         request = TokensPrompt(prompt_token_ids=prompt, cache_salt=f"v{self.version}")
-        for j in range(n):
-            rid = f"{key}#{j}"
-            self.seqs[rid] = _Sequence(key, j)
-            self.core.add_request(rid, request, sampling)
+        added: list[str] = []
+        try:  # vLLM refuses a prompt itself (ValueError: longer than the model's context): nothing stays behind
+            for j in range(n):
+                self.core.add_request(f"{key}#{j}", request, sampling)
+                added.append(f"{key}#{j}")
+        except Exception:
+            if added:
+                self.core.abort_request(added)
+            raise
+        self.groups[key] = _Group(n, priority)
+        self.seqs.update((rid, _Sequence(key, j)) for j, rid in enumerate(added))
 
     def step(self) -> list[tuple[str, list[Completion]]]:
         """One engine step; the groups it completed, each as (key, its G completions in submission order)."""

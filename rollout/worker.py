@@ -134,7 +134,7 @@ class Worker:
         except (RedisUnavailable, redis.RedisError) as e:
             log.warning("heartbeat failed: %s", e)
 
-    def maybe_evaluate(self) -> EvalResult | None:
+    def maybe_evaluate(self, engine: Engine | None = None) -> EvalResult | None:
         """With --eval-every n: the held-out avg@k / pass@k of the weights held, at the start and then at the first
         version at or past each multiple of n; published to dapo:eval and as dapo_eval_* metrics."""
         s, version = self.s, self.engine.version
@@ -144,7 +144,7 @@ class Worker:
             items = self.held_out()
             if items is None:
                 return None
-            report, _ = evaluate(self.engine, items, self.reward, k=s.eval_k, params=self.eval_params(),
+            report, _ = evaluate(engine or self.engine, items, self.reward, k=s.eval_k, params=self.eval_params(),
                                  chat_template=s.chat_template)  # fmt: skip
         except (FileNotFoundError, RewardUnavailable, RewardRejected) as e:  # no eval.jsonl yet; reward down
             log.warning("held-out evaluation of version %d postponed: %s", version, e)
@@ -165,12 +165,13 @@ class Worker:
         s = self.s
         return SamplingParams(s.temperature, s.eval_top_p, s.max_response_tokens, s.eval_seed)
 
-    def publish_eval(self, report: EvalReport, newest: int | None = None, later_frac: float = 0.0) -> EvalResult:
+    def publish_eval(self, report: EvalReport, runs: list[tuple[int, int]] | None = None) -> EvalResult:
+        """`runs`: the (version, tokens) runs of every sample, from a streaming replica (weights moved meanwhile)."""
         s, version = self.s, report.version
         result = EvalResult(version=version, replica_id=s.replica_id, k=report.k, n_prompts=report.n_prompts,
                             avg_at_k=report.avg_at_k, pass_at_k=report.pass_at_k,
                             mean_response_tokens=report.mean_response_tokens, truncated_frac=report.truncated_frac,
-                            seconds=report.seconds, newest_version=newest, later_token_frac=later_frac)  # fmt: skip
+                            seconds=report.seconds, **token_versions(version, runs))  # fmt: skip
         self.eval_out.publish(result)
         self.next_eval = (version // s.eval_every + 1) * s.eval_every if s.eval_every else sys.maxsize
         self.m.eval_avg.set(report.avg_at_k)
@@ -281,6 +282,15 @@ class Worker:
             task = task.model_copy(update={"prompt_token_ids": TokenIds(prompt)})  # the learner trains on these
             groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id=self.s.replica_id))
         return groups
+
+
+def token_versions(version: int, runs: list[tuple[int, int]] | None) -> dict[str, Any]:
+    """An evaluation's mean token version, newest version and share of tokens sampled after `version`."""
+    total = sum(n for _, n in runs or [])
+    if not runs or not total:
+        return {}
+    return {"mean_token_version": sum(v * n for v, n in runs) / total, "newest_version": max(v for v, _ in runs),
+            "later_token_frac": sum(n for v, n in runs if v > version) / total}  # fmt: skip
 
 
 def versions(c: Completion, version: int) -> dict[str, Any]:

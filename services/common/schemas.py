@@ -218,7 +218,9 @@ class TrainBatch(Message):
     def _consistent(self) -> Self:
         lo = min(g.min_version for g in self.groups)
         hi = max(g.max_version for g in self.groups)
-        if (self.min_version, self.max_version) != (lo, hi):
+        # a batch assembled before Sample schema 3 declared the newest *first* token as max_version
+        first = max(s.policy_version for g in self.groups for s in g.samples)
+        if self.min_version != lo or not first <= self.max_version <= hi:
             raise ValueError(
                 f"min_version/max_version: declared {self.min_version}..{self.max_version} but the "
                 f"groups' samples span {lo}..{hi}"
@@ -284,6 +286,9 @@ class EvalResult(Message):
     mean_response_tokens: FiniteFloat = Field(ge=0.0)
     truncated_frac: FiniteFloat = Field(ge=0.0, le=1.0)
     seconds: FiniteFloat = Field(ge=0.0)
+    mean_token_version: FiniteFloat | None = Field(
+        None, ge=0.0, description="The mean policy version over its sampled tokens (None: all by `version`)."
+    )
     newest_version: int | None = Field(
         None, ge=0, description="A streaming replica evaluates beside training and loads weights meanwhile: the "
         "newest version that sampled any of its tokens (None: all by `version`)."

@@ -62,7 +62,10 @@ class RunRecorder:
             e = decode(fields, EvalResult)
             rows.append({"kind": "eval", "step": e.version, "policy_version": e.version, "eval_acc": e.avg_at_k,
                          "eval_pass_at_k": e.pass_at_k, "eval_k": e.k, "eval_prompts": e.n_prompts,
-                         "eval_response_tokens": e.mean_response_tokens, "eval_seconds": e.seconds})  # fmt: skip
+                         "eval_response_tokens": e.mean_response_tokens, "eval_seconds": e.seconds,
+                         "eval_newest_version": e.newest_version if e.newest_version is not None else e.version,
+                         "eval_later_token_frac": e.later_token_frac, "eval_at": e.created_at,
+                         "eval_mean_token_version": e.mean_token_version or float(e.version)})  # fmt: skip
             self.say(f"held-out eval of version {e.version}: avg@{e.k} {e.avg_at_k:.3f}  pass@{e.k} "
                      f"{e.pass_at_k:.3f}  ({e.n_prompts} prompts, {e.seconds:.0f} s)")  # fmt: skip
         self.append(rows)

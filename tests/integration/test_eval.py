@@ -99,9 +99,34 @@ def test_a_replica_evaluates_as_dapo_mesh_eval_does(
     write_items(data, items)
 
     client = connect(server.url)
-    args = ["--engine", "vllm", "--model-dir", str(model), "--redis-url", server.url, "--reward-url", reward_url,
-            "--port", str(free_port()), "--replica-id", "r0", "--max-response-tokens", "48", "--eval-every", "5",
-            "--eval-data", str(data), "--eval-size", str(SIZE), "--eval-k", str(K), "--eval-seed", "1234"]  # fmt: skip
+    args = [
+        "--engine",
+        "vllm",
+        "--model-dir",
+        str(model),
+        "--redis-url",
+        server.url,
+        "--reward-url",
+        reward_url,
+        "--port",
+        str(free_port()),
+        "--replica-id",
+        "r0",
+        "--max-response-tokens",
+        "48",
+        "--eval-every",
+        "5",
+        "--eval-data",
+        str(data),
+        "--eval-size",
+        str(SIZE),
+        "--eval-k",
+        str(K),
+        "--eval-seed",
+        "1234",
+        "--eval-mode",
+        "stop",
+    ]  # fmt: skip  (chunked and seeded; shared: tests/integration/test_stream_worker.py)
     proc = subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(), cwd=ROOT)
     try:
         deadline = time.monotonic() + 300

@@ -16,11 +16,14 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from learner.tiny import tiny_llama
+from services.common.arrays import TokenIds
+from services.common.datasets import Item, write_items
 from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.schemas import PromptTask, ScoredGroup
+from services.common.schemas import EvalResult, PromptTask, ScoredGroup
 from services.common.streams import (
     DEAD_LETTER_STREAM,
     REPLICA_KEY_PREFIX,
+    STREAM_EVAL,
     STREAM_PROMPTS,
     StreamProducer,
     connect,
@@ -91,30 +94,46 @@ def test_updates_in_flight_lose_and_duplicate_nothing(model_dir: Path, reward_ur
                                                       tmp_path: Path, mode: str) -> None:  # fmt: skip
     client = connect(server.url)
     other = tiny_llama(tmp_path / "other", hidden=256, tokenizer=True, seed=1)
-    weights, port = tmp_path / "hf", free_port()
+    weights, port, held_out = tmp_path / "hf", free_port(), tmp_path / "eval.jsonl"
+    write_items(held_out, [Item(prompt_id=f"e{i}", prompt=f"Count to {i}.", ground_truth=str(i), verifier="dapo_math",
+                                data_source="test") for i in range(6)])  # fmt: skip
     ensure_group(client, STREAM_PROMPTS, "rollout")
     proc = start(model_dir, server.url, reward_url, "r0", "--weights-dir", str(weights),
                  "--weight-update", mode, "--max-response-tokens", TOKENS, "--max-in-flight", "12", "--port",
-                 str(port), engine="vllm")  # fmt: skip
+                 str(port), "--eval-every", "2", "--eval-data", str(held_out), "--eval-size", "6", "--eval-k", "2",
+                 engine="vllm")  # fmt: skip
     try:
         wait_ready(client, "r0")
         with Publisher(weights, [model_dir, other]) as pub:
-            StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(N, g=4))
+            too_long = tasks(1)[0].model_copy(update={"task_id": "long", "prompt_token_ids": TokenIds([5] * 600)})
+            StreamProducer(client, STREAM_PROMPTS).publish_many([*tasks(N, g=4)[:4], too_long, *tasks(N, g=4)[4:]])
             got = wait_groups(client, N, timeout_s=240)
+        deadline = time.monotonic() + 120
+        while len(evals := [decode(f, EvalResult) for _, f in client.xrange(STREAM_EVAL)]) < 2:
+            assert time.monotonic() < deadline, f"{len(evals)} held-out evaluations beside training in 120 s"
+            time.sleep(0.2)
         serve = metric(port, "dapo_rollout_weight_serve_seconds_count")
         multi = metric(port, "dapo_rollout_multi_version_samples_total")
     finally:
         stop(proc)
     assert sorted(g.task.task_id for g in got) == sorted(f"t{i}" for i in range(N))  # none lost, none twice
-    assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0 and client.xlen(DEAD_LETTER_STREAM) == 0
+    assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0
+    dead = [f for _, f in client.xrange(DEAD_LETTER_STREAM)]  # a prompt longer than the context (512): refused
+    assert len(dead) == 1 and dead[0][b"kind"] == b"engine_rejected" and b"long" in dead[0][b"orig:data"], dead
     spanning = check_versions(got)
     assert pub.version >= 3 and serve >= 2  # versions came while it generated, and were served
     versions = {s.policy_version for g in got for s in g.samples}
     assert len(versions) >= 2  # groups were sampled by several versions
+    for ev in evals:  # beside training, while weights moved: said, not hidden
+        assert (ev.k, ev.n_prompts) == (2, 6) and ev.mean_token_version is not None and ev.newest_version is not None
+        assert ev.version <= ev.mean_token_version <= ev.newest_version
+        assert 0.0 <= ev.later_token_frac <= 1.0 and (ev.later_token_frac > 0) == (ev.newest_version > ev.version)
+    assert [ev.version for ev in evals][:1] == [0] and evals[1].version >= 2  # at 0, then at or past each multiple
     if mode == "keep":
-        assert spanning >= 1 and multi == spanning  # sequences continued across a load
+        eval_spans = sum(1 for ev in evals if ev.newest_version != ev.version)
+        assert spanning >= 1 and multi >= spanning and multi >= eval_spans  # sequences continued across a load
     else:
-        assert spanning == 0 and multi == 0  # drained: every sample by one version
+        assert spanning == 0 and multi == 0  # drained: every sample (evaluation's too) by one version
 
 
 def test_a_replica_killed_with_sequences_spanning_an_update_loses_nothing(

@@ -43,6 +43,15 @@ def test_staleness() -> None:
     assert not is_stale(g, 3, max_staleness=0) and is_stale(g, 4, max_staleness=0)
 
 
+def test_staleness_counts_from_the_oldest_token() -> None:
+    """A sample that spans in-flight weight updates is as stale as its first token."""
+    g = with_scores([True, False], version=3)
+    spanning = g.samples[0].model_copy(update={"version_runs": [(3, 1), (5, 1)]})
+    g = g.model_copy(update={"samples": [spanning, g.samples[1].model_copy(update={"policy_version": 5})]})
+    assert (g.min_version, g.max_version) == (3, 5)
+    assert version_lag(g, 5) == 2 and is_stale(g, 5, max_staleness=1) and not is_stale(g, 5, max_staleness=2)
+
+
 def test_dispatch_budget() -> None:
     assert dispatch_budget(1, 8, outstanding=0, waiting=0) == 16
     assert dispatch_budget(1, 8, outstanding=10, waiting=3) == 3
