@@ -40,14 +40,14 @@ def engine_placement(s: RolloutSettings) -> dict[str, Any]:
 
 def make_worker(s: RolloutSettings, client: redis.Redis, engine: Engine, reward: RewardClient,
                 metrics: RolloutMetrics, receiver: WeightReceiver | None) -> Worker:  # fmt: skip
-    """vLLM: the streaming loop (continuous batching, in-flight weight updates); HF: engine calls of
-    `prompts_per_call` prompts, weights between calls."""
-    if isinstance(engine, VllmEngine):
+    """vLLM: the streaming loop (continuous batching, in-flight weight updates); HF, or vLLM with --no-stream:
+    engine calls of `prompts_per_call` prompts, weights between calls."""
+    if isinstance(engine, VllmEngine) and s.stream:
         stream = StreamingEngine(engine, update=s.weight_update, seed=s.seed)
         log.info("streaming replica: up to %d sequences in flight, weight updates: %s", s.max_in_flight,
                  s.weight_update)  # fmt: skip
         return StreamWorker(s, client, stream, reward, metrics, receiver)
-    log.info("HF engine: %d prompts per engine call, weights loaded between calls", s.prompts_per_call)
+    log.info("%s engine: %d prompts per engine call, weights loaded between calls", s.engine, s.prompts_per_call)
     return Worker(s, client, engine, reward, metrics, receiver)
 
 

