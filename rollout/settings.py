@@ -23,8 +23,9 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     )
     prompts_per_call: int = Field(8, ge=1, description="HF engine: prompts per engine call (x G samples each).")
     stream: bool = Field(
-        True, description="vLLM: the streaming loop (continuous batching, in-flight weight updates); --no-stream: "
-        "engine calls of prompts_per_call prompts, weights between calls (the HF engine always)."
+        True,
+        description="vLLM: the streaming loop (continuous batching, in-flight weight updates); --no-stream: "
+        "engine calls of prompts_per_call prompts, weights between calls (the HF engine always).",
     )
     max_in_flight: int = Field(
         64, ge=1, description="vLLM (streaming): sequences in the engine at most; prompts enter as room frees up."
