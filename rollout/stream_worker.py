@@ -84,8 +84,8 @@ class StreamWorker(Worker):
 
     def sync_weights(self) -> bool:
         """keep/recompute: load now, sequences in flight; drain: stop admitting, load when none is in flight."""
-        if self.engine.draining and self._weights_waiting():
-            self.waiting_load = True
+        if self.engine.draining:  # no load now, whatever arrives meanwhile: stop admitting once one waits
+            self.waiting_load = self._weights_waiting()
             return False
         self.waiting_load = False
         return super().sync_weights()

@@ -129,7 +129,8 @@ def test_updates_in_flight_lose_and_duplicate_nothing(model_dir: Path, reward_ur
         assert (ev.k, ev.n_prompts) == (2, 6) and ev.mean_token_version is not None and ev.newest_version is not None
         assert ev.version <= ev.mean_token_version <= ev.newest_version
         assert 0.0 <= ev.later_token_frac <= 1.0 and (ev.later_token_frac > 0) == (ev.newest_version > ev.version)
-    assert [ev.version for ev in evals][:1] == [0] and evals[1].version >= 2  # at 0, then at or past each multiple
+    # the first at the first version served (0, unless a snapshot arrived first), then at or past the next multiple
+    assert evals[1].version >= (evals[0].version // 2 + 1) * 2
     if mode == "keep":
         eval_spans = sum(1 for ev in evals if ev.newest_version != ev.version)
         assert spanning >= 1 and multi >= spanning and multi >= eval_spans  # sequences continued across a load
