@@ -91,15 +91,7 @@ class StreamWorker(Worker):
         return super().sync_weights()
 
     def _weights_waiting(self) -> bool:
-        if self.receiver is not None and self.receiver.ready is not None:
-            return True
-        if self.s.weights_dir is None or (self.receiver is not None and self.receiver.state != "idle"):
-            return False
-        try:
-            name = (self.s.weights_dir / "latest").read_text().strip()
-        except FileNotFoundError:
-            return False
-        return int(name.lstrip("v")) > self.engine.version
+        return (self.receiver is not None and self.receiver.ready is not None) or self.newer_snapshot() is not None
 
     # ---------------------------------------------------------------- training prompts
 

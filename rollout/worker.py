@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -104,22 +105,29 @@ class Worker:
             if got is not None:
                 self._loaded(got.version, got.checksum, "broadcast", time.perf_counter() - t0, got.announced)
                 return True
+        newer = self.newer_snapshot()
+        if newer is None:
+            return False
+        path, version, written = newer
+        self.state = "syncing"
+        t0 = time.perf_counter()
+        self.engine.load_weights(path, version)
+        announced = time.monotonic() - max(0.0, time.time() - written)
+        self._loaded(version, None, f"snapshot {path.name}", time.perf_counter() - t0, announced)
+        return True
+
+    def newer_snapshot(self) -> tuple[Path, int, float] | None:
+        """The learner's newest HF snapshot (folder, version, written at) if newer than the engine's weights; never
+        for a member of the broadcast group (it gets every version from it)."""
         if self.s.weights_dir is None or (self.receiver is not None and self.receiver.state != "idle"):
-            return False  # a member of the broadcast group gets every version from it: no snapshot reloads
+            return None
         latest = self.s.weights_dir / "latest"
         try:
             name, written = latest.read_text().strip(), latest.stat().st_mtime
         except FileNotFoundError:
-            return False
+            return None
         version = int(name.lstrip("v"))
-        if version <= self.engine.version:
-            return False
-        self.state = "syncing"
-        t0 = time.perf_counter()
-        self.engine.load_weights(self.s.weights_dir / name, version)
-        announced = time.monotonic() - max(0.0, time.time() - written)
-        self._loaded(version, None, f"snapshot {name}", time.perf_counter() - t0, announced)
-        return True
+        return (self.s.weights_dir / name, version, written) if version > self.engine.version else None
 
     def _loaded(self, version: int, checksum: int | None, source: str, seconds: float, announced: float) -> None:
         if self.state == "syncing":
