@@ -67,6 +67,7 @@ class StreamWorker(Worker):
         self.last, self.idle = time.monotonic(), True
         self.busy: deque[tuple[float, float, bool]] = deque()  # (start, seconds, idle) over the idle window
         self.window_tokens: deque[tuple[float, int]] = deque()
+        self.sums = [0.0, 0.0, 0.0]  # seconds, idle seconds, tokens in the window: kept, not summed every step
 
     def step(self) -> int:
         self._account()
@@ -141,6 +142,7 @@ class StreamWorker(Worker):
         self.m.samples.inc(len(outs))
         self.m.truncated.inc(sum(c.finish_reason == "length" for c in outs))
         self.window_tokens.append((time.monotonic(), n_tokens))
+        self.sums[2] += n_tokens
 
     def publish_finished(self) -> int:
         """The finished groups: scored in one request and published (Worker.publish: a reward outage holds them,
@@ -210,18 +212,22 @@ class StreamWorker(Worker):
     def _account(self) -> None:
         """Idle time (no sequence in the engine) and generation speed, over the last minute."""
         now, idle = time.monotonic(), self.idle
-        self.busy.append((self.last, now - self.last, idle))
+        sums, sec = self.sums, now - self.last
+        self.busy.append((self.last, sec, idle))
+        sums[0] += sec
         if idle:
-            self.m.idle_seconds.inc(now - self.last)
+            sums[1] += sec
+            self.m.idle_seconds.inc(sec)
         self.last = now
         while self.busy and self.busy[0][0] < now - IDLE_WINDOW_S:
-            self.busy.popleft()
+            _, old, was = self.busy.popleft()
+            sums[0] -= old
+            sums[1] -= old if was else 0.0
         while self.window_tokens and self.window_tokens[0][0] < now - IDLE_WINDOW_S:
-            self.window_tokens.popleft()
-        span = sum(sec for _, sec, _ in self.busy)
-        if span > 0:
-            self.m.idle_fraction.set(sum(sec for _, sec, was in self.busy if was) / span)
-            self.tokens_per_s = sum(n for _, n in self.window_tokens) / span
+            sums[2] -= self.window_tokens.popleft()[1]
+        if sums[0] > 0:
+            self.m.idle_fraction.set(min(1.0, max(0.0, sums[1] / sums[0])))
+            self.tokens_per_s = sums[2] / sums[0]
             self.m.tokens_per_second.set(self.tokens_per_s)
 
     def stop(self) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollout.engine import Completion, SamplingParams, counts
-from rollout.vllm_engine import VllmEngine
+from rollout.vllm_engine import VllmEngine, finish_reason, sampled_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -136,18 +136,13 @@ class StreamingEngine:
             if seq is None:
                 continue
             c = out.outputs[0]  # type: ignore[index]
-            steps = c.logprobs or []
-            if len(steps) != len(c.token_ids) or any(step is None for step in steps):
-                raise RuntimeError("vLLM returned no log-prob for some sampled token (logprobs=0 was requested)")
-            logps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, steps, strict=True)]  # type: ignore[index]
-            seq.add(list(c.token_ids), logps, c.text, version)
+            seq.add(list(c.token_ids), sampled_logprobs(c), c.text, version)
             if not out.finished:
                 continue
             del self.seqs[out.request_id]
-            reason = "length" if c.finish_reason == "length" else "abort" if c.finish_reason == "abort" else "stop"
             runs = tuple((v, k) for v, k in seq.runs)
             group = self.groups[seq.group]
-            group.done[seq.index] = Completion(seq.tokens, "".join(seq.text), seq.logprobs, reason, runs)  # type: ignore[arg-type]
+            group.done[seq.index] = Completion(seq.tokens, "".join(seq.text), seq.logprobs, finish_reason(c), runs)
             if len(group.done) == group.n:
                 del self.groups[seq.group]
                 finished.append((seq.group, [group.done[j] for j in range(group.n)]))

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rollout.engine import Completion, SamplingParams, counts
+from rollout.engine import Completion, FinishReason, SamplingParams, counts
 from services.common.dtype import Dtype
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,7 @@ class VllmEngine:
         result: list[list[Completion]] = [[] for _ in prompts]
         for owner, out in zip(owners, outputs, strict=True):
             c = out.outputs[0]
-            steps = c.logprobs or []
-            if len(steps) != len(c.token_ids) or any(step is None for step in steps):
-                raise RuntimeError("vLLM returned no log-prob for some sampled token (logprobs=0 was requested)")
-            logps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, steps, strict=True)]  # type: ignore[index]
-            reason = "length" if c.finish_reason == "length" else "abort" if c.finish_reason == "abort" else "stop"
-            result[owner].append(Completion(list(c.token_ids), c.text, logps, reason))  # type: ignore[arg-type]
+            result[owner].append(Completion(list(c.token_ids), c.text, sampled_logprobs(c), finish_reason(c)))
         return result
 
     def load_weights(self, hf_dir: Path, version: int, *, keep_running: bool = False) -> None:
@@ -107,6 +102,18 @@ class VllmEngine:
         if not (running and keep_running) and not self.llm.llm_engine.reset_prefix_cache(running):
             raise RuntimeError("vLLM did not reset its prefix cache after a weight reload")
         self.version = version
+
+
+def sampled_logprobs(c: Any) -> list[float]:
+    """The log-prob of each token of a vLLM CompletionOutput (requested with logprobs=0: the sampled token's)."""
+    steps = c.logprobs or []
+    if len(steps) != len(c.token_ids) or any(step is None for step in steps):
+        raise RuntimeError("vLLM returned no log-prob for some sampled token (logprobs=0 was requested)")
+    return [float(step[tok].logprob) for tok, step in zip(c.token_ids, steps, strict=True)]
+
+
+def finish_reason(c: Any) -> FinishReason:
+    return "length" if c.finish_reason == "length" else "abort" if c.finish_reason == "abort" else "stop"
 
 
 def _retie_lm_head(worker: Any) -> bool:
