@@ -59,7 +59,7 @@ def smollm2_shaped(path: Path) -> Path:
 
 
 def batch(vocab: int):  # type: ignore[no-untyped-def]
-    from services.common.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
+    from services.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
 
     rng = random.Random(0)
     groups = []

@@ -22,16 +22,16 @@ import time
 from pathlib import Path
 
 from bench.common import Result, print_table
-from services.common.ledger import read_ledger
-from services.mesh.layout import RunLayout
+from mesh.layout import RunLayout
+from services.ledger import read_ledger
 
 STEPS, B, G, MAX_TOKENS = 8, 4, 4, 48
 
 
 def mesh_run(run_dir: Path, staleness: int, steps: int) -> tuple[float, float]:
     """(seconds from ready to the last step held by the replica, response tokens trained)."""
-    from services.mesh.config import MeshConfig
-    from services.mesh.local import Mesh
+    from mesh.config import MeshConfig
+    from mesh.up import Mesh
 
     cfg = MeshConfig(run_dir=run_dir, steps=steps, tiny=True, engine="vllm", n_samples=G, batch_size=B,
                      max_response_tokens=MAX_TOKENS, minibatches=1, lr=1e-4, max_restarts=0,
@@ -50,7 +50,7 @@ def mesh_run(run_dir: Path, staleness: int, steps: int) -> tuple[float, float]:
 def raw_generate(model_dir: Path, steps: int) -> float:
     """Tokens/s of the engine alone on the mesh's prompts: B prompts x G samples per call, as the replica does."""
     from rollout.engine import SamplingParams, encode_prompt, load_engine
-    from services.common.datasets import DEFAULT_DATASET_CONFIG, load_source
+    from services.datasets import DEFAULT_DATASET_CONFIG, load_source
 
     engine = load_engine(model_dir, "vllm", kv_cache_gib=2)
     source = load_source("reasoning_gym:chain_sum", size=steps * B, eval_size=0, config=DEFAULT_DATASET_CONFIG)

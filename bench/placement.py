@@ -73,9 +73,9 @@ def run(repeats: int = 1) -> list[Result]:
     from bench.learner import batch
     from learner.settings import LearnerSettings
     from learner.trainer import Trainer
-    from services.common.models import prepare_smollm2
-    from services.mesh.commands import split_cores
-    from services.mesh.layout import RunLayout
+    from mesh.commands import split_cores
+    from mesh.layout import RunLayout
+    from services.model_prep import prepare_smollm2
 
     tmp = Path(tempfile.mkdtemp(prefix="dapo-bench-"))
     model_dir = prepare_smollm2(RunLayout(Path(".dapo")).smollm2)

@@ -15,9 +15,9 @@ import msgpack
 import redis
 
 from bench.common import Result, best_rates, print_table
-from services.common.schemas import ScoredGroup
-from services.common.selfcheck import example_group
-from services.common.streams import StreamConsumer, StreamProducer, connect, encode
+from services.schemas import ScoredGroup
+from services.selfcheck import example_group
+from services.streams import StreamConsumer, StreamProducer, connect, encode
 
 SAMPLES, TOKENS, READ_COUNT = 16, 512, 16
 
@@ -53,7 +53,7 @@ def _raw_round(client: redis.Redis, payloads: list[dict[bytes, bytes]]) -> int:
 
 
 def run(redis_url: str | None = None, n_groups: int = 400) -> list[Result]:
-    from services.common.redis_server import EmbeddedRedis
+    from services.redis_server import EmbeddedRedis
 
     server = None if redis_url else EmbeddedRedis(tempfile.mkdtemp(prefix="dapo-bench-"), appendfsync="no")
     url = redis_url or server.start()  # type: ignore[union-attr]

@@ -42,7 +42,7 @@ def worker(model_dir: Path, dtype: str, stage: int, repeats: int, out: Path) -> 
     from learner.parallel import barrier
     from learner.settings import LearnerSettings
     from learner.trainer import Trainer
-    from services.common.weights import Manifest
+    from services.weight_wire import Manifest
 
     s = LearnerSettings(model_dir=model_dir, minibatches=4, warmup_batches=0, dtype=dtype, zero_stage=stage)  # type: ignore[arg-type]
     trainer = Trainer(s)

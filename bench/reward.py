@@ -16,7 +16,7 @@ import httpx
 
 from bench.common import Result, print_table
 from reward_server.verifiers.dapo_math import dapo_math
-from services.common.launch import running
+from services.child_process import running
 
 BATCH, CLIENTS = 64, 4
 

@@ -29,10 +29,10 @@ def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result
     from rollout.reward_client import RewardClient
     from rollout.runner import make_worker
     from rollout.settings import RolloutSettings
-    from services.common.launch import running
-    from services.common.redis_server import EmbeddedRedis
-    from services.common.schemas import PromptTask
-    from services.common.streams import STREAM_PROMPTS, StreamProducer, connect
+    from services.child_process import running
+    from services.redis_server import EmbeddedRedis
+    from services.schemas import PromptTask
+    from services.streams import STREAM_PROMPTS, StreamProducer, connect
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as in the worker
     tmp = Path(tempfile.mkdtemp(prefix="dapo-bench-"))
@@ -113,9 +113,9 @@ def dtype_rows(model_dir: Path | None = None) -> list[Result]:
     import torch
 
     from learner.logprobs import chunked_logprobs
-    from services.common.dtype import resolve_dtype, torch_dtype
-    from services.common.models import prepare_smollm2
-    from services.mesh.layout import RunLayout
+    from mesh.layout import RunLayout
+    from services.dtype import resolve_dtype, torch_dtype
+    from services.model_prep import prepare_smollm2
 
     if resolve_dtype("auto") != "bf16":
         print("bench.rollout: no bf16 on this machine; the dtype rows are skipped")
@@ -202,8 +202,8 @@ def inflight_rows(model_dir: Path | None = None) -> list[Result]:
     import subprocess
     import sys
 
-    from services.common.models import prepare_smollm2
-    from services.mesh.layout import RunLayout
+    from mesh.layout import RunLayout
+    from services.model_prep import prepare_smollm2
 
     model_dir = model_dir or prepare_smollm2(RunLayout(Path(".dapo")).smollm2)
     tmp = Path(tempfile.mkdtemp(prefix="dapo-bench-"))

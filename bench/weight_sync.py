@@ -35,8 +35,8 @@ def receiver(name: str, url: str) -> None:
     from rollout.metrics import RolloutMetrics
     from rollout.settings import RolloutSettings
     from rollout.weight_receiver import WeightReceiver
-    from services.common.schemas import ReplicaHeartbeat
-    from services.common.streams import REPLICA_KEY_PREFIX, connect, pack
+    from services.schemas import ReplicaHeartbeat
+    from services.streams import REPLICA_KEY_PREFIX, connect, pack
 
     s = RolloutSettings(replica_id=name, redis_url=url, sync_device="cpu")
     client = connect(url)
@@ -54,7 +54,7 @@ def receiver(name: str, url: str) -> None:
 
 
 def raw_receiver(port: int, numel: int, dtype: str, rounds: int) -> None:
-    from services.common.weights import broadcast, dtype_of, make_group, store_client
+    from services.weight_wire import broadcast, dtype_of, make_group, store_client
 
     pg = make_group(store_client("127.0.0.1", port, 60), 1, 2, 60, torch.device("cpu"))
     buf = torch.empty(numel, dtype=dtype_of(dtype))
@@ -69,7 +69,7 @@ def raw_broadcast(numel: int, dtype: torch.dtype, repeats: int, env: dict[str, s
 
     import torch.distributed as dist
 
-    from services.common.weights import broadcast, make_group
+    from services.weight_wire import broadcast, make_group
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
     p = subprocess.Popen([sys.executable, "-m", "bench.weight_sync", "--raw", str(store.port), str(numel),
@@ -102,8 +102,8 @@ def run(repeats: int = 5) -> list[Result]:
 
     from learner.settings import LearnerSettings
     from learner.weight_sync import WeightSender
-    from services.common.redis_server import EmbeddedRedis
-    from services.common.streams import REPLICA_KEY_PREFIX, connect
+    from services.redis_server import EmbeddedRedis
+    from services.streams import REPLICA_KEY_PREFIX, connect
 
     results = []
     with EmbeddedRedis(Path(tempfile.mkdtemp(prefix="dapo-bench-"))) as server:

@@ -8,8 +8,8 @@ import threading
 
 def main(argv: list[str] | None = None) -> None:
     from learner.settings import LearnerSettings
-    from services.common.logs import configure_logging
-    from services.common.settings import load_settings
+    from services.logs import configure_logging
+    from services.settings import load_settings
 
     args = sys.argv[1:] if argv is None else argv
     settings = load_settings(LearnerSettings, args, prog="python -m learner")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from services.common.schemas import TrainBatch
+from services.schemas import TrainBatch
 
 Tokenize = Callable[[str], list[int]]
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from learner.parallel import barrier
+from services import snapshots
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,6 @@ class LearnerState:
         return [f"#{b}" for b in self.trained[:legacy]] + self.digests
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2) -> str:
     ckpt_dir = run_dir / "checkpoints"
     tag = f"v{state.version:06d}"
@@ -61,7 +56,7 @@ def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2) -> s
     barrier()  # N ranks: every rank's shard is written before rank 0 names the checkpoint (and acknowledges)
     if engine.global_rank != 0:
         return tag
-    _write_atomic(run_dir / "state.json", json.dumps(asdict(state) | {"tag": tag}))
+    snapshots.write_atomic(run_dir / "state.json", json.dumps(asdict(state) | {"tag": tag}))
     tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("v"))
     for old in tags[:-keep]:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
@@ -95,8 +90,8 @@ def export_hf(engine: Any, hf_dir: Path, version: int, *, tokenizer: Any = None,
     writes)."""
     import deepspeed
 
-    out = hf_dir / f"v{version:06d}"
-    tmp = hf_dir / f".tmp-v{version:06d}"
+    out = snapshots.snapshot_dir(hf_dir, version)
+    tmp = hf_dir / f".tmp-{out.name}"
     module = engine.module
     params = list(module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
@@ -109,8 +104,8 @@ def export_hf(engine: Any, hf_dir: Path, version: int, *, tokenizer: Any = None,
             tokenizer.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    _write_atomic(hf_dir / "latest", out.name)
-    exports = sorted(p.name for p in hf_dir.iterdir() if p.is_dir() and p.name.startswith("v"))
+    snapshots.write_latest(hf_dir, out)
+    exports = snapshots.snapshot_folders(hf_dir)
     for old in exports[:-keep]:
         shutil.rmtree(hf_dir / old, ignore_errors=True)
     return out

@@ -35,8 +35,8 @@ from learner.checkpoint import LearnerState
 from learner.parallel import broadcast_bytes
 from learner.trainer import Trainer
 from learner.weight_sync import zero3_gather
-from services.common.schemas import TrainBatch
-from services.common.streams import pack, unpack
+from services.schemas import TrainBatch
+from services.streams import pack, unpack
 
 log = logging.getLogger(__name__)
 

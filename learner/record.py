@@ -8,7 +8,7 @@ trained at: `000000.msgpack` moved the weights from version 0 to 1. The name is 
 after a crash overwrites its own record with the same bytes, and a run's records are exactly its updates.
 `settings.json` holds the learner settings that shape an update (learning rate and schedule, clip, loss,
 mini-batches, off-policy correction, dtype, seed, ...), not where the run ran (paths, ports, Redis, secrets).
-The batch is the wire format (msgpack, services/common/streams.py): no pickle.
+The batch is the wire format (msgpack, services/streams.py): no pickle.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from learner.settings import LearnerSettings
-from services.common.schemas import TrainBatch
-from services.common.settings import RedisSettings, ServiceSettings
-from services.common.streams import pack, unpack
+from services.schemas import TrainBatch
+from services.settings import RedisSettings, ServiceSettings
+from services.streams import pack, unpack
 
 log = logging.getLogger(__name__)
 BATCHES = "batches"

@@ -26,7 +26,8 @@ from learner import checkpoint
 from learner.parallel import check_ranks, shutdown, world
 from learner.record import batches_dir, load_batch, read_settings, recorded
 from learner.settings import LearnerSettings
-from services.common.ledger import read_ledger
+from services.ledger import read_ledger
+from services.snapshots import latest_snapshot
 
 
 def replay(batches: Path, model_dir: Path, out: Path, *, zero_stage: int | None = None, dtype: str | None = None,
@@ -72,7 +73,7 @@ def _quiet(_: str) -> None:
 
 def _launch(batches: Path, model_dir: Path, out: Path, nproc: int, **options: Any) -> Path:
     """torchrun with `nproc` ranks on this machine, each running `python -m learner.replay`."""
-    from services.common.launch import ROOT, child_env
+    from services.child_process import ROOT, child_env
 
     args = ["--batches", str(batches), "--model-dir", str(model_dir), "--out", str(out)]
     args += [a for k, v in options.items() if v is not None for a in (f"--{k.replace('_', '-')}", str(v))]
@@ -81,7 +82,10 @@ def _launch(batches: Path, model_dir: Path, out: Path, nproc: int, **options: An
     done = subprocess.run(cmd, env=child_env(), cwd=ROOT, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the replay's ranks failed (exit {done.returncode})")
-    return out / "hf" / (out / "hf" / "latest").read_text().strip()
+    newest = latest_snapshot(out / "hf")
+    if newest is None:
+        raise RuntimeError(f"the replay's ranks exported no snapshot under {out / 'hf'}")
+    return newest.path
 
 
 def main(argv: list[str] | None = None) -> None:

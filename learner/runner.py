@@ -24,10 +24,10 @@ from learner.service import Learner
 from learner.settings import LearnerSettings
 from learner.trainer import Trainer
 from learner.weight_sync import WeightSender
-from services.common.placement import place
-from services.common.process import ServiceProcess
-from services.common.streams import KEY_POLICY_VERSION
-from services.common.web import create_app, serve_in_thread
+from services.placement import place
+from services.service_process import ServiceProcess
+from services.streams import KEY_POLICY_VERSION
+from services.web import create_app, serve_in_thread
 
 log = logging.getLogger(__name__)
 

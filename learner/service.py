@@ -28,10 +28,10 @@ from learner.ranks import Leader
 from learner.settings import LearnerSettings
 from learner.trainer import Trainer
 from learner.weight_sync import WeightSender
-from services.common import ledger
-from services.common.schemas import DroppedGroup, LedgerEntry, ScoredGroup, TrainBatch
-from services.common.stream_admin import safe_trim, stream_stats
-from services.common.streams import (
+from services import ledger
+from services.schemas import DroppedGroup, LedgerEntry, ScoredGroup, TrainBatch
+from services.stream_admin import safe_trim, stream_stats
+from services.streams import (
     GROUP_LEARNER,
     KEY_BATCH_ID,
     KEY_POLICY_VERSION,

@@ -7,8 +7,8 @@ from typing import Literal, Self
 
 from pydantic import Field, SecretStr, model_validator
 
-from services.common.dtype import DtypeChoice
-from services.common.settings import RedisSettings, ServiceSettings
+from services.dtype import DtypeChoice
+from services.settings import RedisSettings, ServiceSettings
 
 
 class LearnerSettings(ServiceSettings, RedisSettings):

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from services.common.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
+from services.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
 
 VOCAB = 256
 

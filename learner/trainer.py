@@ -32,9 +32,9 @@ from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights, token
 from learner.parallel import all_sum, padded, split_rows, world
 from learner.schedule import lr_factor
 from learner.settings import LearnerSettings
-from services.common.dtype import resolve_dtype
-from services.common.redis_server import free_port
-from services.common.schemas import TrainBatch
+from services.dtype import resolve_dtype
+from services.redis_server import free_port
+from services.schemas import TrainBatch
 
 log = logging.getLogger(__name__)
 STEP_METRICS = (*LOSS_METRICS, "loss")  # averaged over a batch's micro-batches, weighted by their tokens

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
-from services.common.streams import REPLICA_KEY_PREFIX, pack, unpack
-from services.common.weights import (
+from services.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
+from services.streams import REPLICA_KEY_PREFIX, pack, unpack
+from services.weight_wire import (
     KEY_SYNC_GENERATION,
     KEY_SYNC_GROUP,
     KEY_WEIGHTS,

@@ -5,8 +5,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     from reward_server.settings import RewardSettings
-    from services.common.logs import configure_logging
-    from services.common.settings import load_settings
+    from services.logs import configure_logging
+    from services.settings import load_settings
 
     settings = load_settings(RewardSettings, sys.argv[1:] if argv is None else argv, prog="python -m reward_server")
     configure_logging("reward", settings)

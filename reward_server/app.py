@@ -16,8 +16,8 @@ from reward_server.pool import VerifierPool
 from reward_server.scoring import RewardMetrics, Scorer
 from reward_server.settings import RewardSettings
 from reward_server.verifiers import check_name, dapo_math
-from services.common.schemas import ScoreItem, ScoreRequest, ScoreResponse
-from services.common.web import Authorized, create_app
+from services.schemas import ScoreItem, ScoreRequest, ScoreResponse
+from services.web import Authorized, create_app
 
 
 def _check_caps(items: list[ScoreItem], s: RewardSettings) -> None:

@@ -9,7 +9,7 @@ import logging
 
 from reward_server.app import build_app
 from reward_server.settings import RewardSettings
-from services.common.web import serve
+from services.web import serve
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from reward_server.pool import JobTimeout, VerifierPool, WorkerDied
 from reward_server.settings import RewardSettings
 from reward_server.verifiers import INLINE, Verdict, run_verifier
 from reward_server.verifiers.dapo_math import INLINE_MAX_GROUND_TRUTH, TAIL_CHARS
-from services.common.schemas import ScoreItem, ScoreResult
+from services.schemas import ScoreItem, ScoreResult
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Self
 
 from pydantic import Field, model_validator
 
-from services.common.settings import ServiceSettings
+from services.settings import ServiceSettings
 
 
 class RewardSettings(ServiceSettings):

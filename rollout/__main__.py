@@ -7,8 +7,8 @@ import threading
 
 def main(argv: list[str] | None = None) -> None:
     from rollout.settings import RolloutSettings
-    from services.common.logs import configure_logging
-    from services.common.settings import load_settings
+    from services.logs import configure_logging
+    from services.settings import load_settings
 
     settings = load_settings(RolloutSettings, sys.argv[1:] if argv is None else argv, prog="python -m rollout")
     configure_logging("rollout", settings)

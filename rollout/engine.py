@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from services.common.dtype import Dtype, torch_dtype
+from services.dtype import Dtype, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def top_p_filter(logits: Any, top_p: float) -> Any:
 
 
 def load_engine(model_dir: Path, kind: str, *, dtype: Dtype = "fp32", **vllm_kw: Any) -> Engine:
-    """`dtype`: resolved already (services.common.dtype.resolve_dtype), bf16 or fp32."""
+    """`dtype`: resolved already (services.dtype.resolve_dtype), bf16 or fp32."""
     if kind == "hf":
         return HFEngine(model_dir, dtype=dtype)
     from rollout.vllm_engine import VllmEngine

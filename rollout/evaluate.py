@@ -26,8 +26,8 @@ from typing import Any
 
 from rollout.engine import Completion, Engine, SamplingParams, encode_prompt
 from rollout.reward_client import RewardClient
-from services.common.datasets import DEFAULT_DATASET_CONFIG, Item, Template, load_source, read_items
-from services.common.schemas import ScoreItem
+from services.datasets import DEFAULT_DATASET_CONFIG, Item, Template, load_source, read_items
+from services.schemas import ScoreItem
 
 PROMPTS_PER_CALL = 32  # prompts (x k samples) per engine call; fixed, because the seeds go by call
 

@@ -7,7 +7,7 @@ import logging
 import httpx
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from services.common.schemas import ScoreItem, ScoreRequest, ScoreResponse, ScoreResult
+from services.schemas import ScoreItem, ScoreRequest, ScoreResponse, ScoreResult
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from rollout.streaming import StreamingEngine
 from rollout.vllm_engine import VllmEngine
 from rollout.weight_receiver import WeightReceiver
 from rollout.worker import Worker
-from services.common.dtype import resolve_dtype
-from services.common.placement import place
-from services.common.process import ServiceProcess
+from services.dtype import resolve_dtype
+from services.placement import place
+from services.service_process import ServiceProcess
 
 log = logging.getLogger(__name__)
 

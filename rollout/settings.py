@@ -10,8 +10,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 
 from rollout.streaming import UpdateMode
-from services.common.dtype import DtypeChoice
-from services.common.settings import RedisSettings, ServiceSettings
+from services.dtype import DtypeChoice
+from services.settings import RedisSettings, ServiceSettings
 
 
 class RolloutSettings(ServiceSettings, RedisSettings):
@@ -75,7 +75,7 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     eval_seed: int = Field(1234, description="Sampling seed of the evaluation (same seed: same samples).")
     eval_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the evaluation (DAPO's paper: 0.7).")
     dtype: DtypeChoice = Field(
-        "auto", description="Engine dtype: bf16 where the hardware has it (auto), or fp32 (services/common/dtype.py)."
+        "auto", description="Engine dtype: bf16 where the hardware has it (auto), or fp32 (services/dtype.py)."
     )
     cpu_cores: str | None = Field(
         None, description="Cores of the engine's threads, e.g. '1' or '0-1' (vLLM: VLLM_CPU_OMP_THREADS_BIND)."

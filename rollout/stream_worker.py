@@ -33,9 +33,9 @@ from rollout.settings import RolloutSettings
 from rollout.streaming import RequestRefused, StreamingEngine
 from rollout.weight_receiver import WeightReceiver
 from rollout.worker import Generated, Worker
-from services.common.datasets import Item
-from services.common.schemas import PromptTask
-from services.common.streams import Delivery
+from services.datasets import Item
+from services.schemas import PromptTask
+from services.streams import Delivery
 
 log = logging.getLogger(__name__)
 IDLE_WINDOW_S = 60.0  # dapo_rollout_idle_fraction: over the last minute

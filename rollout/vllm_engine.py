@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.engine import Completion, FinishReason, SamplingParams, counts
-from services.common.dtype import Dtype
+from services.dtype import Dtype
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         # the engine in this process: weight reloads call into the model directly, nothing is pickled
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if cpu_cores:  # the OpenMP pool on these cores only (placement beside a learner: services/common/placement.py)
+        if cpu_cores:  # the OpenMP pool on these cores only (placement beside a learner: services/placement.py)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
         elif (n := os.cpu_count() or 1) > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")

@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from rollout.metrics import RolloutMetrics
 from rollout.settings import RolloutSettings
-from services.common.schemas import SyncGroup
-from services.common.streams import unpack
-from services.common.weights import (
+from services.schemas import SyncGroup
+from services.streams import unpack
+from services.weight_wire import (
     KEY_SYNC_GROUP,
     BadRound,
     Buckets,

@@ -33,10 +33,11 @@ from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
 from rollout.settings import RolloutSettings
 from rollout.weight_receiver import WeightReceiver
-from services.common.arrays import TokenIds
-from services.common.datasets import Item
-from services.common.schemas import EvalResult, PromptTask, ReplicaHeartbeat, Sample, Score, ScoredGroup, ScoreItem
-from services.common.streams import (
+from services.arrays import TokenIds
+from services.datasets import Item
+from services.schemas import EvalResult, PromptTask, ReplicaHeartbeat, Sample, Score, ScoredGroup, ScoreItem
+from services.snapshots import latest_snapshot
+from services.streams import (
     GROUP_ROLLOUT,
     REPLICA_KEY_PREFIX,
     STREAM_EVAL,
@@ -121,13 +122,10 @@ class Worker:
         for a member of the broadcast group (it gets every version from it)."""
         if self.s.weights_dir is None or (self.receiver is not None and self.receiver.state != "idle"):
             return None
-        latest = self.s.weights_dir / "latest"
-        try:
-            name, written = latest.read_text().strip(), latest.stat().st_mtime
-        except FileNotFoundError:
+        newest = latest_snapshot(self.s.weights_dir)
+        if newest is None or newest.version <= self.engine.version:
             return None
-        version = int(name.lstrip("v"))
-        return (self.s.weights_dir / name, version, written) if version > self.engine.version else None
+        return newest.path, newest.version, newest.written
 
     def _loaded(self, version: int, checksum: int | None, source: str, seconds: float, announced: float) -> None:
         if self.state == "syncing":

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.common.redis_server import EmbeddedRedis
-from services.common.streams import connect
+from services.redis_server import EmbeddedRedis
+from services.streams import connect
 
 SYSTEM_REDIS_URL = os.environ.get("DAPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

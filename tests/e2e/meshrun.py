@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.common.launch import ROOT
-from services.common.ledger import read_ledger
-from services.mesh.layout import RunLayout
+from mesh.layout import RunLayout
+from services.child_process import ROOT
+from services.ledger import read_ledger
 
 ENV = {k: v for k, v in os.environ.items() if k != "DAPO_REDIS_URL"} | {"PYTHONPATH": str(ROOT), "COLUMNS": "200"}
 
@@ -19,7 +19,7 @@ ENV = {k: v for k, v in os.environ.items() if k != "DAPO_REDIS_URL"} | {"PYTHONP
 def start_mesh(tmp_path: Path, *flags: str) -> subprocess.Popen[bytes]:
     """`dapo-mesh up --tiny --run-dir TMP/run FLAGS`, its output in TMP/up.out."""
     out = (tmp_path / "up.out").open("w")
-    cmd = [sys.executable, "-m", "services.mesh", "up", "--tiny", "--run-dir", str(tmp_path / "run"), *flags]
+    cmd = [sys.executable, "-m", "mesh", "up", "--tiny", "--run-dir", str(tmp_path / "run"), *flags]
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -30,7 +30,7 @@ def version(run_dir: Path) -> int:
 
 def audit(run_dir: Path) -> tuple[int, dict[str, Any]]:
     """`dapo-mesh audit RUN_DIR --json`: (exit code, report)."""
-    r = subprocess.run([sys.executable, "-m", "services.mesh", "audit", str(run_dir), "--json"], cwd=ROOT, env=ENV,
+    r = subprocess.run([sys.executable, "-m", "mesh", "audit", str(run_dir), "--json"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     return r.returncode, json.loads(r.stdout)
 

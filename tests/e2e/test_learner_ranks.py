@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.ledger import read_ledger
-from services.mesh.layout import RunLayout
+from mesh.layout import RunLayout
+from services.ledger import read_ledger
 from tests.e2e.meshrun import audit, left_behind, start_mesh, version
 
 STEPS = 8

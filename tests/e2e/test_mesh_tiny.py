@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.launch import ROOT
-from services.common.redis_server import free_port
+from services.child_process import ROOT
+from services.redis_server import free_port
 
 SERVICES = ("reward", "buffer", "learner", "rollout-0")
 COUNTERS = {  # one counter per service that must have moved while the mesh ran
@@ -44,7 +44,7 @@ def test_dapo_mesh_up_tiny_with_prometheus(tmp_path: Path) -> None:
     out = (tmp_path / "up.out").open("w")
     cmd = ["up", "--tiny", "--steps", "3", "--run-dir", str(run_dir), "--linger-s", "8",  # 8 s: > 1 scrape interval
            "--eval-every", "3"]  # fmt: skip
-    mesh = subprocess.Popen([sys.executable, "-m", "services.mesh", *cmd], cwd=ROOT, env=env, stdout=out,
+    mesh = subprocess.Popen([sys.executable, "-m", "mesh", *cmd], cwd=ROOT, env=env, stdout=out,
                             stderr=subprocess.STDOUT)  # fmt: skip
     prom = None
     seen_up: set[str] = set()

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from learner.tiny import tiny_llama
-from services.common.launch import running
-from services.common.redis_server import EmbeddedRedis
+from services.child_process import running
+from services.redis_server import EmbeddedRedis
 
 
 @pytest.fixture(scope="module")

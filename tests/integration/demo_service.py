@@ -7,9 +7,9 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter
 
-from services.common.logs import configure_logging
-from services.common.settings import RedisSettings, ServiceSettings, load_settings
-from services.common.web import Authorized, create_app, serve
+from services.logs import configure_logging
+from services.settings import RedisSettings, ServiceSettings, load_settings
+from services.web import Authorized, create_app, serve
 
 
 class DemoSettings(ServiceSettings, RedisSettings):

@@ -6,8 +6,8 @@ python tests/integration/hold_pending.py REDIS_URL STREAM GROUP CONSUMER COUNT
 import sys
 import time
 
-from services.common.schemas import ScoredGroup
-from services.common.streams import StreamConsumer, connect
+from services.schemas import ScoredGroup
+from services.streams import StreamConsumer, connect
 
 url, stream, group, name, count = sys.argv[1:6]
 consumer = StreamConsumer(connect(url), stream, group, name, ScoredGroup)

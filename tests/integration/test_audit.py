@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.common.redis_server import EmbeddedRedis
-from services.common.schemas import DroppedGroup, PromptTask, ScoredGroup
-from services.common.selfcheck import example_group
-from services.common.streams import (
+from mesh.audit import audit
+from services.redis_server import EmbeddedRedis
+from services.schemas import DroppedGroup, PromptTask, ScoredGroup
+from services.selfcheck import example_group
+from services.streams import (
     GROUP_BUFFER,
     GROUP_ROLLOUT,
     STREAM_DROPPED,
@@ -18,7 +19,6 @@ from services.common.streams import (
     StreamProducer,
     connect,
 )
-from services.mesh.audit import audit
 
 
 def dropped(g: ScoredGroup, reason: str) -> DroppedGroup:
@@ -47,8 +47,8 @@ def test_a_group_dropped_as_a_duplicate_of_itself_is_lost(server: EmbeddedRedis,
 
 
 def test_token_lags_count_every_trained_token_by_the_version_that_sampled_it() -> None:
-    from services.common.schemas import TrainBatch
-    from services.mesh.audit import AuditReport, token_lags
+    from mesh.audit import AuditReport, token_lags
+    from services.schemas import TrainBatch
 
     g = example_group(0)
     n = len(g.samples[0].response_token_ids)

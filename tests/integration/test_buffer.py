@@ -14,15 +14,15 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from services.buffer.metrics import BufferMetrics
-from services.buffer.service import KEY_CURSOR, Buffer
-from services.buffer.settings import BufferSettings
-from services.common.datasets import load_source
-from services.common.launch import ROOT
-from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
-from services.common.selfcheck import example_group
-from services.common.streams import (
+from buffer.metrics import BufferMetrics
+from buffer.service import KEY_CURSOR, Buffer
+from buffer.settings import BufferSettings
+from services.child_process import ROOT
+from services.datasets import load_source
+from services.redis_server import EmbeddedRedis, free_port
+from services.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
+from services.selfcheck import example_group
+from services.streams import (
     KEY_POLICY_VERSION,
     STREAM_BATCHES,
     STREAM_PROMPTS,
@@ -245,7 +245,7 @@ def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
                 "--max-staleness", "1", "--dataset-size", "300", "--eval-size", "5", "--dataset-seed", "3",
                 "--run-dir", str(tmp_path / "run")]  # fmt: skip
         env = os.environ | {"PYTHONPATH": str(ROOT)}
-        return subprocess.Popen([sys.executable, "-m", "services.buffer", *args], env=env, cwd=ROOT)
+        return subprocess.Popen([sys.executable, "-m", "buffer", *args], env=env, cwd=ROOT)
 
     def serve_until(rollout: Rollout, n: int, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from services.common.schemas import ScoredGroup
-from services.common.selfcheck import example_group
-from services.common.streams import STREAM_ROLLOUTS, StreamConsumer, StreamProducer, connect
+from services.schemas import ScoredGroup
+from services.selfcheck import example_group
+from services.streams import STREAM_ROLLOUTS, StreamConsumer, StreamProducer, connect
 
-CLI = [sys.executable, "-m", "services.mesh"]
+CLI = [sys.executable, "-m", "mesh"]
 
 
 def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -46,7 +46,7 @@ def test_prepared_model_matches_the_gguf(up_run) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    from services.common.models import smollm2_gguf
+    from services.model_prep import smollm2_gguf
 
     _, run_dir = up_run
     model_dir = run_dir / "models/smollm2-135m-instruct"
@@ -81,8 +81,8 @@ def test_status_shows_groups_pending_and_lag(embedded_redis) -> None:
 
 
 def test_status_shows_versions_sync_and_replicas(embedded_redis) -> None:
-    from services.common.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
-    from services.common.streams import KEY_POLICY_VERSION, KEY_SYNC_GROUP, KEY_WEIGHTS, REPLICA_KEY_PREFIX, pack
+    from services.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
+    from services.streams import KEY_POLICY_VERSION, KEY_SYNC_GROUP, KEY_WEIGHTS, REPLICA_KEY_PREFIX, pack
 
     client = connect(embedded_redis.url)
     keys = [KEY_POLICY_VERSION, KEY_WEIGHTS, KEY_SYNC_GROUP, REPLICA_KEY_PREFIX + "r-7"]

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from services.common.launch import ROOT
+from services.child_process import ROOT
 
 DEPLOY = ROOT / "deploy"
 OVERLAYS = sorted(p.name for p in (DEPLOY / "k8s" / "overlays").iterdir() if p.is_dir())
@@ -32,12 +32,12 @@ needs = {tool: pytest.mark.skipif(shutil.which(tool) is None and not os.environ.
 
 def exported_metrics() -> set[str]:
     """Every sample name the services can export (counters as *_total, histograms as *_bucket/_sum/_count)."""
+    from buffer.metrics import BufferMetrics
     from learner.metrics import LearnerMetrics
     from learner.weight_sync import SyncMetrics
     from reward_server.scoring import RewardMetrics
     from rollout.metrics import RolloutMetrics
-    from services.buffer.metrics import BufferMetrics
-    from services.common.streams import StreamMetrics
+    from services.streams import StreamMetrics
 
     registry = CollectorRegistry()
     for cls in (LearnerMetrics, SyncMetrics, RewardMetrics, RolloutMetrics, BufferMetrics, StreamMetrics):
@@ -117,9 +117,13 @@ def test_compose_references_and_health() -> None:
     for svc in ("reward-server", "buffer", "learner", "rollout"):
         env = services[svc]["environment"]
         assert env["DAPO_AUTH_TOKEN"].startswith("${DAPO_AUTH_TOKEN:?"), "the token must be required, not defaulted"
+    packages = re.search(r"^include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert packages
     for f in ("Dockerfile.cpu", "Dockerfile.cuda"):
         text = (DEPLOY / "docker" / f).read_text()
         assert '"torch==2.13.0"' in text and "USER 10001" in text
+        for package in re.findall(r'"(\w+)\*"', packages.group(1)):  # an image without a package cannot start it
+            assert f"COPY {package} {package}" in text, f"{f} does not copy the package {package}"
 
 
 def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

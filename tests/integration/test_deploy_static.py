@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.launch import ROOT
+from services.child_process import ROOT
 
 DEPLOY = ROOT / "deploy"
 DOCKERFILES = sorted((DEPLOY / "docker").glob("Dockerfile.*"))

@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from rollout.evaluate import EvalSample, load_eval_items, summarize
-from services.common.datasets import DEFAULT_DATASET_CONFIG, write_items
-from services.common.launch import ROOT, child_env
-from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.schemas import EvalResult
-from services.common.streams import STREAM_EVAL, connect, decode
+from services.child_process import ROOT, child_env
+from services.datasets import DEFAULT_DATASET_CONFIG, write_items
+from services.redis_server import EmbeddedRedis, free_port
+from services.schemas import EvalResult
+from services.streams import STREAM_EVAL, connect, decode
 
 pytestmark = pytest.mark.slow
 SIZE, K = 24, 4
@@ -28,7 +28,7 @@ SIZE, K = 24, 4
 
 def run_eval(out: Path, seed: int, reward_url: str, model: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("DAPO_REWARD_URL",)} | {"PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "services.mesh", "eval", "--model", str(model), "--size", str(SIZE), "--k", str(K),
+    cmd = [sys.executable, "-m", "mesh", "eval", "--model", str(model), "--size", str(SIZE), "--k", str(K),
            "--seed", str(seed), "--max-tokens", "48", "--reward-url", reward_url, "--out", str(out),
            "--json"]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -44,7 +44,7 @@ def samples(out: Path) -> list[EvalSample]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.common.models import prepare_smollm2
+    from services.model_prep import prepare_smollm2
 
     return prepare_smollm2(tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct")
 

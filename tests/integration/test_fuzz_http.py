@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from services.common.launch import ROOT, child_env, running
-from services.common.redis_server import EmbeddedRedis
+from services.child_process import ROOT, child_env, running
+from services.redis_server import EmbeddedRedis
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.generation import GenerationMode  # noqa: E402
@@ -94,7 +94,7 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 def test_buffer_http_survives_generated_requests(tmp_path: Path, redis_url: str) -> None:
     args = ["--redis-url", redis_url, "--auth-token", TOKEN, "--api-docs", "--run-dir", str(tmp_path / "run"),
             "--dataset-size", "50", "--eval-size", "5"]  # fmt: skip
-    with running("services.buffer", *args, token=TOKEN, ready_path="/readyz") as (base, proc):
+    with running("buffer", *args, token=TOKEN, ready_path="/readyz") as (base, proc):
         stats = fuzz(base, {})
         assert proc.poll() is None
     print(f"buffer fuzz: {dict(stats)}")

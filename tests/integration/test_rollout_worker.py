@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.common.launch import ROOT, child_env
-from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup
-from services.common.streams import (
+from services.child_process import ROOT, child_env
+from services.redis_server import EmbeddedRedis, free_port
+from services.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup
+from services.streams import (
     DEAD_LETTER_STREAM,
     REPLICA_KEY_PREFIX,
     STREAM_PROMPTS,

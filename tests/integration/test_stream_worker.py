@@ -16,11 +16,11 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from learner.tiny import tiny_llama
-from services.common.arrays import TokenIds
-from services.common.datasets import Item, write_items
-from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.schemas import EvalResult, PromptTask, ScoredGroup
-from services.common.streams import (
+from services.arrays import TokenIds
+from services.datasets import Item, write_items
+from services.redis_server import EmbeddedRedis, free_port
+from services.schemas import EvalResult, PromptTask, ScoredGroup
+from services.streams import (
     DEAD_LETTER_STREAM,
     REPLICA_KEY_PREFIX,
     STREAM_EVAL,

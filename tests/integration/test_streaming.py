@@ -15,7 +15,7 @@ import torch
 
 from learner.loss import token_logprobs
 from learner.tiny import tiny_llama
-from services.common.launch import ROOT
+from services.child_process import ROOT
 
 pytestmark = [
     pytest.mark.slow,

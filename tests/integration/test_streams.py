@@ -14,11 +14,11 @@ import msgpack
 import pytest
 import redis
 
-from services.common.redis_server import EmbeddedRedis
-from services.common.schemas import ScoredGroup, TrainBatch
-from services.common.selfcheck import example_group, example_messages
-from services.common.stream_admin import dead_letters, redrive, safe_trim, stream_stats
-from services.common.streams import (
+from services.redis_server import EmbeddedRedis
+from services.schemas import ScoredGroup, TrainBatch
+from services.selfcheck import example_group, example_messages
+from services.stream_admin import dead_letters, redrive, safe_trim, stream_stats
+from services.streams import (
     DEAD_LETTER_STREAM,
     RedisUnavailable,
     StreamConsumer,
@@ -272,7 +272,7 @@ def test_dead_letters_listing(client, stream) -> None:
 
 
 def test_unreachable_redis_gives_a_clear_error_after_bounded_retries() -> None:
-    from services.common.redis_server import free_port
+    from services.redis_server import free_port
 
     client = connect(f"redis://127.0.0.1:{free_port()}/0", timeout_s=1.0, retries=3)
     t0 = time.monotonic()

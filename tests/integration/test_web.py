@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common.launch import ROOT, running
+from services.child_process import ROOT, running
 
 TOKEN = "test-token-0123456789"
 ENV = {"DAPO_AUTH_TOKEN": TOKEN, "DAPO_REDIS_URL": "redis://:pw-secret-xyz@127.0.0.1:1/0"}

@@ -22,10 +22,10 @@ from learner.settings import LearnerSettings
 from learner.tiny import tiny_batch
 from learner.trainer import Trainer
 from learner.weight_sync import WeightSender
-from services.common.launch import ROOT, child_env
-from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup, SyncGroup, WeightVersion
-from services.common.streams import (
+from services.child_process import ROOT, child_env
+from services.redis_server import EmbeddedRedis, free_port
+from services.schemas import PromptTask, ReplicaHeartbeat, ScoredGroup, SyncGroup, WeightVersion
+from services.streams import (
     REPLICA_KEY_PREFIX,
     STREAM_PROMPTS,
     STREAM_ROLLOUTS,
@@ -34,7 +34,7 @@ from services.common.streams import (
     decode,
     unpack,
 )
-from services.common.weights import KEY_SYNC_GROUP, KEY_WEIGHTS, Buckets, checksum, total
+from services.weight_wire import KEY_SYNC_GROUP, KEY_WEIGHTS, Buckets, checksum, total
 
 TIMEOUT_S = 8.0
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from mesh.ablate import RunResult, ablate, markdown, read_run, run_dir_of, summarize
+from mesh.config import MeshConfig
+from mesh.layout import RunLayout
 from rollout.engine import SamplingParams
 from rollout.worker import seeded
-from services.mesh.ablate import RunResult, ablate, markdown, read_run, run_dir_of, summarize
-from services.mesh.config import MeshConfig
-from services.mesh.layout import RunLayout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from services.common.arrays import LogProbs, TokenIds
+from services.arrays import LogProbs, TokenIds
 
 
 class M(BaseModel):

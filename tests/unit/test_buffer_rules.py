@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from services.buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, version_lag
-from services.common.datasets import DAPO_TEMPLATE, load_source, parse_tasks
-from services.common.schemas import Score, ScoredGroup
-from services.common.selfcheck import example_group
+from buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, version_lag
+from services.datasets import DAPO_TEMPLATE, load_source, parse_tasks
+from services.schemas import Score, ScoredGroup
+from services.selfcheck import example_group
 
 
 def with_scores(accs: list[bool], rewards: list[float] | None = None, version: int = 0) -> ScoredGroup:

@@ -8,9 +8,9 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.common.schemas import MESSAGE_TYPES
-from services.common.selfcheck import example_messages
-from services.common.streams import DecodeError, decode, encode
+from services.schemas import MESSAGE_TYPES
+from services.selfcheck import example_messages
+from services.streams import DecodeError, decode, encode
 
 TYPES = sorted(MESSAGE_TYPES)
 FUZZ = settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from rollout.evaluate import EvalSample, pass_at, summarize
-from services.common.datasets import Item
+from services.datasets import Item
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 5, 8])

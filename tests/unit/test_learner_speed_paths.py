@@ -12,8 +12,8 @@ import torch
 from learner.batching import microbatches, token_microbatches
 from learner.logprobs import chunked_logprobs
 from learner.loss import token_logprobs_and_entropy
-from services.common.dtype import cpu_flags, resolve_dtype
-from services.common.placement import parse_cores, place
+from services.dtype import cpu_flags, resolve_dtype
+from services.placement import parse_cores, place
 
 
 @pytest.mark.parametrize(("chunk", "bias"), [(1, False), (5, False), (7, True), (10_000, False)])

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from services.common import ledger
-from services.common.datasets import Item, eval_items_path, read_items, write_items
-from services.common.schemas import LedgerEntry
+from services import ledger
+from services.datasets import Item, eval_items_path, read_items, write_items
+from services.schemas import LedgerEntry
 
 
 def entry(batch_id: int, version: int, **metrics: float) -> LedgerEntry:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from services.common.schemas import LedgerEntry
-from services.mesh import curves
-from services.mesh.live import LiveView, ServiceState, mesh_numbers
-from services.mesh.recorder import row as metrics_row
+from mesh import curves
+from mesh.live import LiveView, ServiceState, mesh_numbers
+from mesh.recorder import row as metrics_row
+from services.schemas import LedgerEntry
 
 
 def states() -> list[ServiceState]:

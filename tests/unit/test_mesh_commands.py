@@ -10,15 +10,15 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from buffer.settings import BufferSettings
 from learner.settings import LearnerSettings
+from mesh.cli import app
+from mesh.commands import SYNC_PORT, ServiceCommand, service_commands, service_names, split_cores
+from mesh.config import MeshConfig, PresetError, load_preset
+from mesh.layout import RunLayout
 from reward_server.settings import RewardSettings
 from rollout.settings import RolloutSettings
-from services.buffer.settings import BufferSettings
-from services.common.settings import load_settings
-from services.mesh.cli import app
-from services.mesh.commands import SYNC_PORT, ServiceCommand, service_commands, service_names, split_cores
-from services.mesh.config import MeshConfig, PresetError, load_preset
-from services.mesh.layout import RunLayout
+from services.settings import load_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MODEL = Path("/models/m")
@@ -45,7 +45,7 @@ def test_the_dapo_preset_becomes_these_command_lines(tmp_path: Path) -> None:
     p = ports(cfg)
     cmds = {c.name: c for c in service_commands(cfg, MODEL, URL, p)}
     assert list(cmds) == ["reward", "buffer", "learner", "rollout-0", "rollout-1"]  # the start order
-    modules = ("reward_server", "services.buffer", "learner", "rollout", "rollout")
+    modules = ("reward_server", "buffer", "learner", "rollout", "rollout")
     assert [c.argv("py")[:3] for c in cmds.values()] == [["py", "-m", m] for m in modules]
     for c in cmds.values():
         assert c.env == {"DAPO_REDIS_URL": URL, "OMP_NUM_THREADS": "1"} and URL not in " ".join(c.args)  # not in `ps`

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.mesh.config import MeshConfig, PresetError, load_preset, read_preset, to_flags
+from mesh.config import MeshConfig, PresetError, load_preset, read_preset, to_flags
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SWITCHES = {  # DAPO's techniques, as (section, key): GRPO value, DAPO value
@@ -52,9 +52,9 @@ def test_the_ablation_ladder_adds_one_technique_per_file_and_ends_at_dapo() -> N
 
 
 def test_flags_are_what_the_services_parse() -> None:
+    from buffer.settings import BufferSettings
     from learner.settings import LearnerSettings
-    from services.buffer.settings import BufferSettings
-    from services.common.settings import load_settings
+    from services.settings import load_settings
 
     flags = to_flags({"clip_high": 0.2, "loss_agg": "seq-mean-token-mean", "overlong_filter": True})
     s = load_settings(LearnerSettings, flags)

@@ -8,9 +8,9 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from services.common.schemas import MESSAGE_TYPES, PromptTask, Sample, Score, ScoredGroup, TrainBatch
-from services.common.selfcheck import example_group, example_messages
-from services.common.streams import DecodeError, decode, encode
+from services.schemas import MESSAGE_TYPES, PromptTask, Sample, Score, ScoredGroup, TrainBatch
+from services.selfcheck import example_group, example_messages
+from services.streams import DecodeError, decode, encode
 
 
 def test_every_message_type_has_an_example() -> None:

@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from reward_server.app import build_app
 from reward_server.settings import RewardSettings
-from services.common.settings import ServiceSettings
-from services.common.web import create_app, require_token
+from services.settings import ServiceSettings
+from services.web import create_app, require_token
 
 ROOT = Path(__file__).resolve().parents[2]
 OPEN = {"/healthz"}

@@ -8,8 +8,8 @@ import logging
 import pytest
 from pydantic import Field
 
-from services.common.logs import SecretMask
-from services.common.settings import RedisSettings, ServiceSettings, load_settings, redact_url
+from services.logs import SecretMask
+from services.settings import RedisSettings, ServiceSettings, load_settings, redact_url
 
 
 class DemoSettings(ServiceSettings, RedisSettings):

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import torch
 
-from services.common.weights import (
+from services.weight_wire import (
     BadRound,
     Buckets,
     Manifest,
@@ -94,7 +94,7 @@ def test_wait_keys_times_out_and_cancels() -> None:
 
     import torch.distributed as dist
 
-    from services.common.weights import SyncAborted
+    from services.weight_wire import SyncAborted
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
     store.set("a", "1")

@@ -1,9 +1,9 @@
 """Runs the buffer: health and metrics over HTTP from a thread, the control loop here.
 
-    python -m services.buffer --redis-url URL [--dataset reasoning_gym:chain_sum] [--batch-size 8] ...
+    python -m buffer --redis-url URL [--dataset reasoning_gym:chain_sum] [--batch-size 8] ...
 
-Loads the dataset, writes its held-out split (services/common/datasets.py: eval.jsonl), then runs
-`Buffer.step()` (services/buffer/service.py) until stopped.
+Loads the dataset, writes its held-out split (services/datasets.py: eval.jsonl), then runs
+`Buffer.step()` (buffer/service.py) until stopped.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from services.buffer.metrics import BufferMetrics
-from services.buffer.service import Buffer
-from services.buffer.settings import BufferSettings
-from services.common.datasets import eval_items_path, load_source, write_items
-from services.common.process import ServiceProcess
+from buffer.metrics import BufferMetrics
+from buffer.service import Buffer
+from buffer.settings import BufferSettings
+from services.datasets import eval_items_path, load_source, write_items
+from services.service_process import ServiceProcess
 
 log = logging.getLogger(__name__)
 

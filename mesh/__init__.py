@@ -1,6 +1,6 @@
 """The orchestrator: everything that sits on top of the services and may import them all.
 
-    cli.py          the `dapo-mesh` command line (also `python -m services.mesh`)
+    cli.py          the `dapo-mesh` command line (also `python -m mesh`)
     config.py       MeshConfig and the preset files (configs/*.toml)
     commands.py     a config -> each service's command line (pure)
     supervisor.py   processes: spawn, restart policy, stop; the embedded Redis
@@ -10,5 +10,5 @@
     audit.py        `dapo-mesh audit`: every dispatched prompt accounted for
     curves.py       metrics.jsonl -> curves.png
 
-The services never import this package; services/common imports no service and nothing here.
+The services never import this package; services imports no service and nothing here.
 """

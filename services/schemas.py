@@ -1,14 +1,14 @@
 """The wire contracts of dapo-mesh: every message that crosses a process boundary.
 
 Producers and consumers import the same classes from here; nothing else defines a message.
-Token ids and log-probs are packed arrays (services/common/arrays.py): bytes on the wire, numpy
+Token ids and log-probs are packed arrays (services/arrays.py): bytes on the wire, numpy
 views in memory; they accept lists. Each message carries `schema_version`; a consumer rejects a
 version it does not know (the streams adapter dead-letters it instead of crashing).
 
 Data path (README, "Architecture"):
     buffer --PromptTask--> rollout --ScoredGroup--> buffer --TrainBatch--> learner
     learner --WeightVersion--> everyone;  rollout --ReplicaHeartbeat--> Redis key with a TTL
-    learner --LedgerEntry--> trained.jsonl (services/common/ledger.py) --> the mesh's recorder, the audit
+    learner --LedgerEntry--> trained.jsonl (services/ledger.py) --> the mesh's recorder, the audit
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
-from services.common.arrays import LogProbs, TokenIds
+from services.arrays import LogProbs, TokenIds
 
 SCHEMA_VERSION: Literal[1] = 1
 
@@ -238,9 +238,7 @@ class WeightVersion(Message):
     step: int = Field(ge=0, description="Optimizer steps taken by the learner.")
     batch_id: int | None = Field(None, ge=0, description="Last batch trained into this version.")
     checkpoint_dir: str | None = Field(None, description="HF snapshot of these weights, for late joiners.")
-    checksum: int | None = Field(
-        None, ge=0, description="Checksum of the broadcast weights (see services/common/weights)."
-    )
+    checksum: int | None = Field(None, ge=0, description="Checksum of the broadcast weights (see services/weights).")
     replicas: list[str] = Field(default_factory=list, description="Replicas that acknowledged these weights.")
     sync_seconds: FiniteFloat = Field(0.0, ge=0.0, description="Wall time of the broadcast round.")
     created_at: float = Field(default_factory=time.time)
@@ -300,7 +298,7 @@ class EvalResult(Message):
 
 
 class LedgerEntry(Message):
-    """One line of the learner's ledger (trained.jsonl, services/common/ledger.py): a batch trained into the
+    """One line of the learner's ledger (trained.jsonl, services/ledger.py): a batch trained into the
     weights. Written by the learner after the update; read by the mesh's run recorder, the audit, the benchmarks."""
 
     batch_id: int = Field(ge=0)
@@ -328,7 +326,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         SyncGroup,
         EvalResult,
     )
-}  # the stream messages (LedgerEntry is a file's line, services/common/ledger.py)
+}  # the stream messages (LedgerEntry is a file's line, services/ledger.py)
 
 
 # --------------------------------------------------------------------------- reward server HTTP API

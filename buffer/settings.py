@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from services.common.datasets import DEFAULT_DATASET_CONFIG
-from services.common.settings import RedisSettings, ServiceSettings
+from services.datasets import DEFAULT_DATASET_CONFIG
+from services.settings import RedisSettings, ServiceSettings
 
 
 class BufferSettings(ServiceSettings, RedisSettings):

@@ -24,13 +24,13 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from services.buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, pass_rate, version_lag
-from services.buffer.metrics import BufferMetrics
-from services.buffer.settings import BufferSettings
-from services.common.datasets import Item, Source
-from services.common.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
-from services.common.stream_admin import safe_trim, stream_stats
-from services.common.streams import (
+from buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, pass_rate, version_lag
+from buffer.metrics import BufferMetrics
+from buffer.settings import BufferSettings
+from services.datasets import Item, Source
+from services.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
+from services.stream_admin import safe_trim, stream_stats
+from services.streams import (
     DEAD_LETTER_STREAM,
     GROUP_BUFFER,
     GROUP_LEARNER,

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.common.ledger import LedgerTail
-from services.common.schemas import LedgerEntry
-from services.mesh import curves
-from services.mesh.layout import RunLayout
-from services.mesh.live import ServiceState, mesh_numbers
+from mesh import curves
+from mesh.layout import RunLayout
+from mesh.live import ServiceState, mesh_numbers
+from services.ledger import LedgerTail
+from services.schemas import LedgerEntry
 
 
 class RunRecorder:
@@ -48,8 +48,8 @@ class RunRecorder:
         """New held-out evaluations (dapo:eval) -> rows of metrics.jsonl with kind "eval"."""
         import redis
 
-        from services.common.schemas import EvalResult
-        from services.common.streams import STREAM_EVAL, RedisUnavailable, decode
+        from services.schemas import EvalResult
+        from services.streams import STREAM_EVAL, RedisUnavailable, decode
 
         try:
             entries = self.client().xrange(STREAM_EVAL, min=f"({self._eval_seen}" if self._eval_seen else "-")

@@ -33,8 +33,8 @@ from pydantic import ValidationError
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
-from services.common.schemas import SCHEMA_VERSION, Message
-from services.common.settings import RedisSettings
+from services.schemas import SCHEMA_VERSION, Message
+from services.settings import RedisSettings
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ GROUP_ROLLOUT = "rollout"  # rollout servers, on the prompts stream
 GROUP_BUFFER = "buffer"  # the buffer, on the rollouts stream
 GROUP_LEARNER = "learner"  # the learner, on the batches stream
 REPLICA_KEY_PREFIX = "dapo:replica:"  # + replica id: a packed ReplicaHeartbeat with a TTL
-KEY_SYNC_GENERATION = "dapo:sync:generation"  # weight sync (services/common/weights.py): INCR per group built
+KEY_SYNC_GENERATION = "dapo:sync:generation"  # weight sync (services/weight_wire.py): INCR per group built
 KEY_SYNC_GROUP = "dapo:sync:group"  # a packed SyncGroup: the learner's current broadcast group
 KEY_WEIGHTS = "dapo:weights"  # a packed WeightVersion: the last broadcast round
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024

@@ -52,7 +52,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from services.common.streams import KEY_SYNC_GENERATION, KEY_SYNC_GROUP, KEY_WEIGHTS
+from services.streams import KEY_SYNC_GENERATION, KEY_SYNC_GROUP, KEY_WEIGHTS
 
 __all__ = ["KEY_SYNC_GENERATION", "KEY_SYNC_GROUP", "KEY_WEIGHTS"]  # defined with the other Redis keys
 CHECKSUM_MASK = (1 << 63) - 1

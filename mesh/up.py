@@ -1,5 +1,5 @@
 """`dapo-mesh up`: the whole mesh as local processes — Redis, reward server, buffer, rollout replicas,
-learner — wired by a config (services/mesh/config.py), logs per service under the run directory, stopped
+learner — wired by a config (mesh/config.py), logs per service under the run directory, stopped
 cleanly.
 
     dapo-mesh up                            # configs/dapo.toml: SmolLM2-135M-Instruct, 1-digit arithmetic, vLLM
@@ -26,13 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.common.launch import ROOT, wait_ready
-from services.mesh.commands import allocate_ports, service_commands
-from services.mesh.config import MeshConfig
-from services.mesh.layout import RunLayout
-from services.mesh.live import LiveView, ServiceState, scrape
-from services.mesh.recorder import RunRecorder, line
-from services.mesh.supervisor import Supervisor
+from mesh.commands import allocate_ports, service_commands
+from mesh.config import MeshConfig
+from mesh.layout import RunLayout
+from mesh.live import LiveView, ServiceState, scrape
+from mesh.recorder import RunRecorder, line
+from mesh.supervisor import Supervisor
+from services.child_process import ROOT, wait_ready
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 SCRAPE_EVERY_S = 5.0  # the live view's refresh of health and metrics (and at every new learner step)
@@ -56,7 +56,7 @@ class Mesh:
 
             path = self.paths.tiny_model
             return path if (path / "config.json").exists() else tiny_llama(path, hidden=256, tokenizer=True)
-        from services.common.models import prepare_smollm2
+        from services.model_prep import prepare_smollm2
 
         return prepare_smollm2(self.paths.smollm2)
 
@@ -138,7 +138,7 @@ class Mesh:
 
     def client(self) -> Any:
         """A Redis connection of the mesh's own (reading eval results, replica heartbeats), made once."""
-        from services.common.streams import connect
+        from services.streams import connect
 
         if self._client is None:
             self._client = connect(self.url)
@@ -154,8 +154,8 @@ class Mesh:
 
     def wait_replicas_synced(self, timeout_s: float = 60) -> None:
         """The run ends with every replica holding the final weights (they load them between calls)."""
-        from services.common.schemas import ReplicaHeartbeat
-        from services.common.streams import KEY_POLICY_VERSION, REPLICA_KEY_PREFIX, unpack
+        from services.schemas import ReplicaHeartbeat
+        from services.streams import KEY_POLICY_VERSION, REPLICA_KEY_PREFIX, unpack
 
         client = self.client()
         final = int(client.get(KEY_POLICY_VERSION) or 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import uuid
 
-from services.common.schemas import (
+from services.schemas import (
     DroppedGroup,
     EvalResult,
     Message,
@@ -79,7 +79,7 @@ def example_messages() -> list[Message]:
 
 def transport_selfcheck(redis_url: str) -> dict[str, bool]:
     """Publish one message of each type to a scratch stream, read it back through a group, compare."""
-    from services.common.streams import StreamConsumer, StreamProducer, connect
+    from services.streams import StreamConsumer, StreamProducer, connect
 
     client = connect(redis_url, retries=2)
     stream = f"dapo:selfcheck:{uuid.uuid4().hex[:8]}"

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 
-from services.common.redis_server import free_port
+from services.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout, so `python -m` finds the packages
+ROOT = Path(__file__).resolve().parents[1]  # the checkout, so `python -m` finds the packages
 
 
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

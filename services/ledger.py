@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import IO
 
-from services.common.schemas import LedgerEntry
+from services.schemas import LedgerEntry
 
 LEDGER_FILE = "trained.jsonl"
 

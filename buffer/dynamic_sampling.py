@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from typing import Literal
 
-from services.common.schemas import ScoredGroup
+from services.schemas import ScoredGroup
 
 Verdict = Literal["keep", "all_correct", "all_wrong", "no_variance"]
 

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.common.settings import ServiceSettings
+    from services.settings import ServiceSettings
 
 
 class JsonFormatter(logging.Formatter):

@@ -3,7 +3,7 @@ and tested without starting anything.
 
     ports = allocate_ports(cfg)                                   # the only side effect: free ports
     for cmd in service_commands(cfg, model_dir, redis_url, ports):
-        subprocess.Popen(cmd.argv(), env=child_env(**cmd.env))    # services/mesh/supervisor.py does this
+        subprocess.Popen(cmd.argv(), env=child_env(**cmd.env))    # mesh/supervisor.py does this
 
 A service's flags are the mesh's own first, then the preset's section for that service (`cfg.extra`), so the
 preset wins. The Redis URL travels in the environment (DAPO_REDIS_URL), not on the command line, where `ps`
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
-from services.common.redis_server import free_port
-from services.mesh.config import MeshConfig, Service
-from services.mesh.layout import RunLayout
+from mesh.config import MeshConfig, Service
+from mesh.layout import RunLayout
+from services.redis_server import free_port
 
-MODULES = {"reward": "reward_server", "buffer": "services.buffer", "learner": "learner", "rollout": "rollout"}
+MODULES = {"reward": "reward_server", "buffer": "buffer", "learner": "learner", "rollout": "rollout"}
 SYNC_PORT = "sync"  # the learner's weight-sync rendezvous, in the ports mapping beside the services' HTTP ports
 
 

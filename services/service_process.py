@@ -17,9 +17,9 @@ from typing import Any, Self
 import redis
 from prometheus_client import CollectorRegistry
 
-from services.common.settings import RedisSettings, ServiceSettings
-from services.common.streams import connect_from
-from services.common.web import create_app, serve_in_thread
+from services.settings import RedisSettings, ServiceSettings
+from services.streams import connect_from
+from services.web import create_app, serve_in_thread
 
 Check = Callable[[], tuple[bool, str]]
 

@@ -2,8 +2,8 @@
 (the mesh writes them, the audit, the benchmarks and the tests read them).
 
     run = RunLayout(Path(".dapo"))
-    run.ledger          # .dapo/learner/trained.jsonl (named by services/common/ledger.py)
-    run.eval_items      # .dapo/buffer/eval.jsonl (named by services/common/datasets.py)
+    run.ledger          # .dapo/learner/trained.jsonl (named by services/ledger.py)
+    run.eval_items      # .dapo/buffer/eval.jsonl (named by services/datasets.py)
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.datasets import eval_items_path
-from services.common.ledger import ledger_path
+from services.datasets import eval_items_path
+from services.ledger import ledger_path
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response, 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from pydantic import BaseModel
 
-from services.common.settings import ServiceSettings
+from services.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 disable_created_metrics()  # the *_created series double every counter for no use here

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from services.mesh.config import MeshConfig
-from services.mesh.curves import Curve, plot_ablation
-from services.mesh.layout import RunLayout
+from mesh.config import MeshConfig
+from mesh.curves import Curve, plot_ablation
+from mesh.layout import RunLayout
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def draw(root: Path, presets: list[Path], seeds: list[int]) -> Path:
 
 
 def _run_mesh(cfg: MeshConfig) -> Any:
-    from services.mesh.local import Mesh
+    from mesh.up import Mesh
 
     mesh = Mesh(cfg, say=lambda _: None)
     try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from services.common.streams import DEAD_LETTER_STREAM, as_str, next_id, parse_id, redis_errors
+from services.streams import DEAD_LETTER_STREAM, as_str, next_id, parse_id, redis_errors
 
 _LAG_SCAN_LIMIT = 10_000  # lag reported on Redis 6.2 (no XINFO lag field) is capped at this
 

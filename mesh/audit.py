@@ -33,9 +33,10 @@ from typing import Any
 import redis
 
 from learner.checkpoint import read_state
-from services.common.ledger import read_ledger
-from services.common.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
-from services.common.streams import (
+from mesh.layout import RunLayout
+from services.ledger import read_ledger
+from services.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
+from services.streams import (
     DEAD_LETTER_STREAM,
     GROUP_BUFFER,
     GROUP_ROLLOUT,
@@ -47,7 +48,6 @@ from services.common.streams import (
     decode,
     parse_id,
 )
-from services.mesh.layout import RunLayout
 
 PLACES = ("trained", "in_batch", "dropped", "at_buffer", "at_rollout", "dead_lettered", "vanished")
 

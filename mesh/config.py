@@ -16,7 +16,7 @@ A preset may start from another (`base = "../grpo.toml"`, relative to the file) 
 configs/ablations/ climbs DAPO's Table 1 that way, one technique per file. Every key is checked against
 the model of its section and every value validated by it, so a typo fails before anything starts.
 Service sections become flags (`--clip-high 0.2`, `--no-dynamic-sampling`) after the mesh's own, so they
-win (services/mesh/commands.py).
+win (mesh/commands.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.common.launch import ROOT
+from services.child_process import ROOT
 
 DEFAULT_PRESET = ROOT / "configs" / "dapo.toml"  # what `dapo-mesh up` runs without --config
 Service = Literal["reward", "buffer", "learner", "rollout"]
@@ -118,10 +118,10 @@ PRESET_MESH_FIELDS = set(MeshConfig.model_fields) - {"run_dir", "extra", "redis_
 
 
 def _service_settings() -> dict[str, Any]:
+    from buffer.settings import BufferSettings
     from learner.settings import LearnerSettings
     from reward_server.settings import RewardSettings
     from rollout.settings import RolloutSettings
-    from services.buffer.settings import BufferSettings
 
     return {"learner": LearnerSettings, "buffer": BufferSettings, "reward": RewardSettings, "rollout": RolloutSettings}
 
