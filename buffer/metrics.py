@@ -16,18 +16,24 @@ class BufferMetrics:
         self.kept = Counter("dapo_buffer_groups_kept", "Groups kept for a batch.", registry=r)
         self.filtered = Counter("dapo_buffer_groups_filtered", "Groups dropped, by reason.", ["reason"], registry=r)
         self.pass_rate = Histogram(
-            "dapo_buffer_pass_rate", "Fraction of correct samples per received group.", registry=r,
+            "dapo_buffer_pass_rate",
+            "Fraction of correct samples per received group.",
+            registry=r,
             buckets=(0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0),
-        )  # fmt: skip
+        )
         self.version_lag = Histogram(
-            "dapo_buffer_version_lag", "Policy versions behind the learner, kept groups.", registry=r,
+            "dapo_buffer_version_lag",
+            "Policy versions behind the learner, kept groups.",
+            registry=r,
             buckets=(0, 1, 2, 3, 4, 6, 8, 16),
-        )  # fmt: skip
+        )
         self.batches = Counter("dapo_buffer_batches_published", "TrainBatches published.", registry=r)
         self.fill_seconds = Histogram(
-            "dapo_buffer_batch_fill_seconds", "Seconds between two published batches.", registry=r,
+            "dapo_buffer_batch_fill_seconds",
+            "Seconds between two published batches.",
+            registry=r,
             buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
-        )  # fmt: skip
+        )
         self.keep_ratio = Gauge("dapo_buffer_keep_ratio", "Kept / received over the last 256 groups.", registry=r)
         self.carry = Gauge("dapo_buffer_carry_groups", "Kept groups waiting for the next batch.", registry=r)
         self.paused = Gauge("dapo_buffer_paused", "1 while dispatch is paused (degenerate pass rate).", registry=r)
@@ -38,7 +44,10 @@ class BufferMetrics:
             registry=r,
         )
         self.backlog = Gauge(
-            "dapo_buffer_backlog", "Entries a group has not finished: not yet delivered (lag) + pending. What the "
-            "autoscaling and the backlog alert follow.", ["stream", "group"], registry=r,
-        )  # fmt: skip
+            "dapo_buffer_backlog",
+            "Entries a group has not finished: not yet delivered (lag) + pending. What the "
+            "autoscaling and the backlog alert follow.",
+            ["stream", "group"],
+            registry=r,
+        )
         self.epoch = Gauge("dapo_buffer_epoch", "Dataset epoch of the dispatch cursor.", registry=r)

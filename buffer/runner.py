@@ -24,9 +24,14 @@ def run(settings: BufferSettings, stop: threading.Event) -> Buffer:
     s = settings
     with ServiceProcess("buffer", s, loading="loading the dataset") as proc:
         source = load_source(
-            s.dataset, size=s.dataset_size, seed=s.dataset_seed, eval_size=s.eval_size,
-            config=s.dataset_config, template=s.prompt_template, file_verifier=s.file_verifier,
-        )  # fmt: skip
+            s.dataset,
+            size=s.dataset_size,
+            seed=s.dataset_seed,
+            eval_size=s.eval_size,
+            config=s.dataset_config,
+            template=s.prompt_template,
+            file_verifier=s.file_verifier,
+        )
         s.run_dir.mkdir(parents=True, exist_ok=True)
         write_items(eval_items_path(s.run_dir), source.eval)  # the held-out split, for evaluation
         log.info("dataset %s: %d training prompts, %d held out", source.name, len(source.train), len(source.eval))

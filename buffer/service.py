@@ -69,9 +69,14 @@ class Buffer:
         ensure_group(client, STREAM_PROMPTS, GROUP_ROLLOUT)  # outstanding prompts are countable from the start
         ensure_group(client, STREAM_BATCHES, GROUP_LEARNER)  # batches are kept until the learner acknowledges them
         self.consumer = StreamConsumer(
-            client, STREAM_ROLLOUTS, GROUP_BUFFER, settings.consumer_name, ScoredGroup,
-            claim_idle_ms=settings.claim_idle_ms, registry=metrics.registry,
-        )  # fmt: skip
+            client,
+            STREAM_ROLLOUTS,
+            GROUP_BUFFER,
+            settings.consumer_name,
+            ScoredGroup,
+            claim_idle_ms=settings.claim_idle_ms,
+            registry=metrics.registry,
+        )
         raw = client.get(KEY_CURSOR)
         self.cursor = Cursor(**json.loads(raw)) if raw else Cursor(seed=settings.shuffle_seed)
         self._order: tuple[int, list[int]] | None = None
@@ -158,10 +163,15 @@ class Buffer:
                 exhausted = True
                 break
             task = PromptTask(
-                task_id=f"{item.prompt_id}#e{self.cursor.epoch}", prompt_id=item.prompt_id, prompt=item.prompt,
-                ground_truth=item.ground_truth, verifier=item.verifier, data_source=item.data_source,
-                n_samples=s.n_samples, dispatch_version=version,
-            )  # fmt: skip
+                task_id=f"{item.prompt_id}#e{self.cursor.epoch}",
+                prompt_id=item.prompt_id,
+                prompt=item.prompt,
+                ground_truth=item.ground_truth,
+                verifier=item.verifier,
+                data_source=item.data_source,
+                n_samples=s.n_samples,
+                dispatch_version=version,
+            )
             pipe.xadd(STREAM_PROMPTS, encode(task))  # type: ignore[arg-type]
             sent += 1
         if sent:
@@ -240,8 +250,14 @@ class Buffer:
     def _drop(self, d: Delivery[ScoredGroup], reason: str, version: int) -> None:
         """Acknowledge the group and record why, in one server-side step (the audit reads dapo:dropped)."""
         g = d.message
-        record = DroppedGroup(task_id=g.task.task_id, prompt_id=g.task.prompt_id, reason=reason,
-                              replica_id=g.replica_id, min_version=g.min_version, at_version=version)  # fmt: skip
+        record = DroppedGroup(
+            task_id=g.task.task_id,
+            prompt_id=g.task.prompt_id,
+            reason=reason,
+            replica_id=g.replica_id,
+            min_version=g.min_version,
+            at_version=version,
+        )
         self.consumer.ack_and_publish([d.entry_id], [(STREAM_DROPPED, record)])
         self.m.filtered.labels(reason).inc()
 
@@ -249,13 +265,19 @@ class Buffer:
         """Never crash on a degenerate pass rate: say so, and pause dispatch if a cap is set."""
         self.filtered_streak += 1
         if len(self.recent) == self.recent.maxlen and not any(self.recent) and self.filtered_streak % 256 == 0:
-            log.warning("no group kept in the last %d (latest: %s): the tasks are too easy or too hard "
-                        "for the model; dispatch continues", len(self.recent), reason)  # fmt: skip
+            log.warning(
+                "no group kept in the last %d (latest: %s): the tasks are too easy or too hard "
+                "for the model; dispatch continues",
+                len(self.recent),
+                reason,
+            )
         cap = self.s.degenerate_cap
         if cap is not None and self.filtered_streak >= cap and not self.paused_until:
             self.paused_until = time.monotonic() + self.s.degenerate_pause_s
-            self.status = (f"paused {self.s.degenerate_pause_s:g} s: {self.filtered_streak} groups in a row "
-                           f"filtered (latest: {reason})")  # fmt: skip
+            self.status = (
+                f"paused {self.s.degenerate_pause_s:g} s: {self.filtered_streak} groups in a row "
+                f"filtered (latest: {reason})"
+            )
             self.m.paused.set(1)
             log.warning("dispatch %s", self.status)
             self.filtered_streak = 0
@@ -267,8 +289,11 @@ class Buffer:
         with redis_errors(self.client):
             batch_id = int(self.client.incr(KEY_BATCH_ID)) - 1  # a crash before publishing leaves a gap only
         batch = TrainBatch.assemble(batch_id, [d.message for d in take])
-        self.consumer.ack_and_publish([d.entry_id for d in take], [(STREAM_BATCHES, batch)],
-                                      record=(KEY_PUBLISHED, [d.message.group_id for d in take]))  # fmt: skip
+        self.consumer.ack_and_publish(
+            [d.entry_id for d in take],
+            [(STREAM_BATCHES, batch)],
+            record=(KEY_PUBLISHED, [d.message.group_id for d in take]),
+        )
         for d in take:
             self.published[d.message.group_id] = None
         while len(self.published) > 100_000:

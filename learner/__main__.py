@@ -14,8 +14,13 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     settings = load_settings(LearnerSettings, args, prog="python -m learner")
     if settings.ranks > 1 and "RANK" not in os.environ:  # become the torchrun agent of `ranks` learner processes
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.ranks}",
-                    "--max-restarts=0"]  # fmt: skip  # a rank that dies stops all: the supervisor restarts the learner
+        launcher = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={settings.ranks}",
+            "--max-restarts=0",
+        ]  # a rank that dies stops all: the supervisor restarts the learner
         os.execv(sys.executable, [sys.executable, *launcher, "-m", "learner", *args])
     configure_logging("learner", settings)
     stop = threading.Event()  # SIGTERM / Ctrl-C: finish the batch, checkpoint, acknowledge, exit

@@ -85,11 +85,16 @@ def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None)
         behaviour[i, len(p) : end] = torch.tensor(lp, dtype=torch.float32)
         versions[i, len(p) : end] = torch.tensor(vs, dtype=torch.long)
     return BatchTensors(
-        input_ids, attention, response, behaviour,
-        torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups, dtype=torch.long),
-        torch.tensor(truncated, dtype=torch.bool), versions,
+        input_ids,
+        attention,
+        response,
+        behaviour,
+        torch.tensor(rewards, dtype=torch.float32),
+        torch.tensor(groups, dtype=torch.long),
+        torch.tensor(truncated, dtype=torch.bool),
+        versions,
         torch.tensor(temps, dtype=torch.float32),
-    )  # fmt: skip
+    )
 
 
 def minibatches(n: int, count: int, *, generator: torch.Generator | None = None) -> list[torch.Tensor]:

@@ -13,9 +13,11 @@ class LearnerMetrics:
             return Gauge(f"dapo_learner_{name}", doc, labels, registry=registry)
 
         self.step_seconds = Histogram(
-            "dapo_learner_step_seconds", "Seconds to train one TrainBatch.", registry=registry,
+            "dapo_learner_step_seconds",
+            "Seconds to train one TrainBatch.",
+            registry=registry,
             buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
-        )  # fmt: skip
+        )
         self.tokens_per_second = gauge("tokens_per_second", "Response tokens trained per second, last batch.")
         self.loss = gauge("loss", "Policy loss, last batch.")
         self.clip_fraction = gauge("clip_fraction", "Fraction of tokens clipped, last batch.", ("side",))
@@ -25,29 +27,42 @@ class LearnerMetrics:
         self.lr = gauge("lr", "Learning rate.")
         self.policy_version = gauge("policy_version", "Policy version (batches in the weights).")
         self.version_lag = Histogram(
-            "dapo_learner_batch_version_lag", "Learner version minus the oldest sample version of a batch.",
-            registry=registry, buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
-        )  # fmt: skip
-        self.token_lag = gauge("token_version_lag", "Mean version lag of the last batch's response tokens (one "
-                               "sampled after an in-flight weight update lags less).")  # fmt: skip
-        self.multi_version = gauge("multi_version_fraction", "Samples of the last batch whose tokens span more than "
-                                   "one policy version.")  # fmt: skip
+            "dapo_learner_batch_version_lag",
+            "Learner version minus the oldest sample version of a batch.",
+            registry=registry,
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+        )
+        self.token_lag = gauge(
+            "token_version_lag",
+            "Mean version lag of the last batch's response tokens (one "
+            "sampled after an in-flight weight update lags less).",
+        )
+        self.multi_version = gauge(
+            "multi_version_fraction", "Samples of the last batch whose tokens span more than one policy version."
+        )
         self.behav_kl = gauge("behav_kl", "k3 estimate of KL(behaviour || proximal) over the last batch's tokens.")
         self.logp_gap = gauge("logp_gap", "|log p_proximal - log p_behaviour| per token, last batch.", ("stat",))
-        self.logp_gap_by_lag = gauge("logp_gap_by_lag", "Mean |log p gap| per token, by the samples' version lag.",
-                                     ("lag",))  # fmt: skip
+        self.logp_gap_by_lag = gauge(
+            "logp_gap_by_lag", "Mean |log p gap| per token, by the samples' version lag.", ("lag",)
+        )
         self.is_bound = gauge("offpolicy_bound_fraction", "Tokens the off-policy correction truncated or masked.")
-        self.stale_groups = Counter("dapo_learner_stale_groups", "Groups past --max-staleness at the update, by what "
-                                    "was done (drop, reweight).", ["action"], registry=registry)  # fmt: skip
+        self.stale_groups = Counter(
+            "dapo_learner_stale_groups",
+            "Groups past --max-staleness at the update, by what was done (drop, reweight).",
+            ["action"],
+            registry=registry,
+        )
         self.batches_pending = gauge("batches_pending", "Batches waiting in the stream for the learner.")
         self.batches_trained = Counter("dapo_learner_batches_trained", "Batches trained.", registry=registry)
         self.batches_skipped = Counter(
             "dapo_learner_batches_skipped", "Redelivered batches already in the weights.", registry=registry
         )
         self.checkpoint_seconds = Histogram(
-            "dapo_learner_checkpoint_seconds", "Seconds to write a checkpoint.", registry=registry,
+            "dapo_learner_checkpoint_seconds",
+            "Seconds to write a checkpoint.",
+            registry=registry,
             buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-        )  # fmt: skip
+        )
 
     def record(self, m: dict[str, float], version: int, lag: int) -> None:
         self.step_seconds.observe(m["seconds"])

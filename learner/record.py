@@ -28,12 +28,36 @@ log = logging.getLogger(__name__)
 BATCHES = "batches"
 SETTINGS = "settings.json"
 # where and how the learner runs, not what an update computes: not recorded, given again at replay
-PLACE_FIELDS = {
-    "model_dir", "run_dir", "threads", "cpu_cores", "checkpoint_every", "keep_checkpoints", "hf_export",
-    "weight_sync", "sync_host", "sync_bind_host", "sync_secret", "sync_port", "sync_timeout_s", "sync_bucket_mb",
-    "keep_batches", "consumer_name", "claim_idle_ms", "max_deliveries", "hold_after_max", "dist_port",
-    "dist_timeout_s", "ranks", "record_batches", "zero_stage",
-} | set(ServiceSettings.model_fields) | set(RedisSettings.model_fields)  # fmt: skip
+PLACE_FIELDS = (
+    {
+        "model_dir",
+        "run_dir",
+        "threads",
+        "cpu_cores",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "hf_export",
+        "weight_sync",
+        "sync_host",
+        "sync_bind_host",
+        "sync_secret",
+        "sync_port",
+        "sync_timeout_s",
+        "sync_bucket_mb",
+        "keep_batches",
+        "consumer_name",
+        "claim_idle_ms",
+        "max_deliveries",
+        "hold_after_max",
+        "dist_port",
+        "dist_timeout_s",
+        "ranks",
+        "record_batches",
+        "zero_stage",
+    }
+    | set(ServiceSettings.model_fields)
+    | set(RedisSettings.model_fields)
+)
 
 
 def batches_dir(run_dir: Path) -> Path:
@@ -64,8 +88,11 @@ def record_settings(run_dir: Path, s: LearnerSettings) -> None:
     new = update_settings(s)
     if (d / SETTINGS).exists() and (old := read_settings(d)) != new:
         changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-        log.warning("the update settings changed since the last start (%s): a replay uses the new ones for every "
-                    "recorded batch", ", ".join(changed))  # fmt: skip
+        log.warning(
+            "the update settings changed since the last start (%s): a replay uses the new ones for every "
+            "recorded batch",
+            ", ".join(changed),
+        )
     _write_durably(d / SETTINGS, json.dumps(new, indent=1, sort_keys=True).encode())
 
 

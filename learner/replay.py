@@ -30,8 +30,17 @@ from services.ledger import read_ledger
 from services.snapshots import latest_snapshot
 
 
-def replay(batches: Path, model_dir: Path, out: Path, *, zero_stage: int | None = None, dtype: str | None = None,
-           until: int | None = None, nproc: int = 1, say: Callable[[str], None] = print) -> Path:  # fmt: skip
+def replay(
+    batches: Path,
+    model_dir: Path,
+    out: Path,
+    *,
+    zero_stage: int | None = None,
+    dtype: str | None = None,
+    until: int | None = None,
+    nproc: int = 1,
+    say: Callable[[str], None] = print,
+) -> Path:
     """Train the recorded batches (those trained at versions < `until`, if given); the final HF snapshot's path."""
     d = batches_dir(batches)
     found = [(v, p) for v, p in recorded(d) if until is None or v < until]
@@ -46,8 +55,17 @@ def replay(batches: Path, model_dir: Path, out: Path, *, zero_stage: int | None 
     return _train(d, found, settings, model_dir, out, zero_stage=zero_stage, dtype=dtype, say=say)
 
 
-def _train(d: Path, found: list[tuple[int, Path]], settings: dict[str, Any], model_dir: Path, out: Path, *,
-           zero_stage: int | None, dtype: str | None, say: Callable[[str], None]) -> Path:  # fmt: skip
+def _train(
+    d: Path,
+    found: list[tuple[int, Path]],
+    settings: dict[str, Any],
+    model_dir: Path,
+    out: Path,
+    *,
+    zero_stage: int | None,
+    dtype: str | None,
+    say: Callable[[str], None],
+) -> Path:
     from learner.trainer import Trainer
 
     given: dict[str, Any] = {"model_dir": model_dir, "run_dir": out, "weight_sync": "none", "hf_export": False}
@@ -57,8 +75,10 @@ def _train(d: Path, found: list[tuple[int, Path]], settings: dict[str, Any], mod
     trainer = Trainer(s)
     if trainer.rank != 0:
         say = _quiet
-    say(f"replaying {len(found)} batches (versions {found[0][0]}..{found[-1][0]}) from {d} on {model_dir}"
-        + (f", {trainer.world} ranks" if trainer.world > 1 else ""))  # fmt: skip
+    say(
+        f"replaying {len(found)} batches (versions {found[0][0]}..{found[-1][0]}) from {d} on {model_dir}"
+        + (f", {trainer.world} ranks" if trainer.world > 1 else "")
+    )
     for version, path in found:
         m = trainer.train(load_batch(path), version=version)
         was = logged.get(version + 1, {}).get("loss")
@@ -77,8 +97,16 @@ def _launch(batches: Path, model_dir: Path, out: Path, nproc: int, **options: An
 
     args = ["--batches", str(batches), "--model-dir", str(model_dir), "--out", str(out)]
     args += [a for k, v in options.items() if v is not None for a in (f"--{k.replace('_', '-')}", str(v))]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "learner.replay", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "learner.replay",
+        *args,
+    ]
     done = subprocess.run(cmd, env=child_env(), cwd=ROOT, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the replay's ranks failed (exit {done.returncode})")

@@ -52,8 +52,9 @@ def run(settings: LearnerSettings, stop: threading.Event) -> LearnerState:
             metrics.policy_version.set(state.version)
             if s.weight_sync == "broadcast":
                 zero3 = trainer.engine.zero_optimization_stage() == 3
-                sender = WeightSender(s, proc.client, trainer.engine.module, proc.registry, zero3=zero3,
-                                      gather=ranks.gather)  # fmt: skip
+                sender = WeightSender(
+                    s, proc.client, trainer.engine.module, proc.registry, zero3=zero3, gather=ranks.gather
+                )
                 sender.publish(state.version, step=state.step)  # replicas serve exactly the weights we resume from
             learner = Learner(s, proc.client, trainer, state, metrics, sender, ranks)
             learner.raise_batch_ids()

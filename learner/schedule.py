@@ -17,8 +17,9 @@ from typing import Literal
 Schedule = Literal["constant", "cosine"]
 
 
-def lr_factor(batches_done: int, *, warmup: int, schedule: Schedule = "constant", decay: int | None = None,
-              min_ratio: float = 0.0) -> float:  # fmt: skip
+def lr_factor(
+    batches_done: int, *, warmup: int, schedule: Schedule = "constant", decay: int | None = None, min_ratio: float = 0.0
+) -> float:
     if batches_done < warmup:
         return (batches_done + 1) / warmup
     if schedule == "constant":

@@ -47,14 +47,28 @@ log = logging.getLogger(__name__)
 
 
 class Learner:
-    def __init__(self, s: LearnerSettings, client: redis.Redis, trainer: Trainer, state: LearnerState,
-                 metrics: LearnerMetrics, sender: WeightSender | None = None, ranks: Leader | None = None):  # fmt: skip
+    def __init__(
+        self,
+        s: LearnerSettings,
+        client: redis.Redis,
+        trainer: Trainer,
+        state: LearnerState,
+        metrics: LearnerMetrics,
+        sender: WeightSender | None = None,
+        ranks: Leader | None = None,
+    ):
         self.s, self.client, self.trainer, self.state, self.m, self.sender = s, client, trainer, state, metrics, sender
         self.ranks = ranks or Leader(trainer)  # every collective step goes through it (N ranks: learner/ranks.py)
         self.consumer = StreamConsumer(
-            client, STREAM_BATCHES, GROUP_LEARNER, s.consumer_name, TrainBatch,
-            claim_idle_ms=s.claim_idle_ms, max_deliveries=s.max_deliveries, registry=metrics.registry,
-        )  # fmt: skip
+            client,
+            STREAM_BATCHES,
+            GROUP_LEARNER,
+            s.consumer_name,
+            TrainBatch,
+            claim_idle_ms=s.claim_idle_ms,
+            max_deliveries=s.max_deliveries,
+            registry=metrics.registry,
+        )
         self.done = set(state.keys())  # identities (content digests) of the batches whose update the weights contain
         self.unacked: list[str] = []  # trained, not yet in a checkpoint: acknowledged by the next commit()
         self.trained_now = 0  # batches this process trained
@@ -99,8 +113,14 @@ class Learner:
         records = [(STREAM_DROPPED, self.stale_record(g, version)) for g in stale]
         gone = {g.group_id for g in stale}
         fresh = [g for g in batch.groups if g.group_id not in gone]
-        log.warning("batch %d: %d of %d groups are more than %d versions behind %d: dropped", batch.batch_id,
-                    len(stale), len(batch.groups), s.max_staleness, version)  # fmt: skip
+        log.warning(
+            "batch %d: %d of %d groups are more than %d versions behind %d: dropped",
+            batch.batch_id,
+            len(stale),
+            len(batch.groups),
+            s.max_staleness,
+            version,
+        )
         if not fresh:
             self.consumer.ack_and_publish([d.entry_id], records)  # dropped and acknowledged in one step
             return None
@@ -109,8 +129,14 @@ class Learner:
 
     @staticmethod
     def stale_record(g: ScoredGroup, version: int) -> DroppedGroup:
-        return DroppedGroup(task_id=g.group_id, prompt_id=g.task.prompt_id, reason="stale_at_update",
-                            replica_id=g.replica_id, min_version=g.min_version, at_version=version)  # fmt: skip
+        return DroppedGroup(
+            task_id=g.group_id,
+            prompt_id=g.task.prompt_id,
+            reason="stale_at_update",
+            replica_id=g.replica_id,
+            min_version=g.min_version,
+            at_version=version,
+        )
 
     def train(self, d: Delivery[TrainBatch], digest: str) -> None:
         """Train -> snapshot -> publish the version and the weights -> ledger; acknowledged at the next commit.
@@ -131,8 +157,12 @@ class Learner:
             snapshot = self.ranks.export(s.run_dir / "hf", state.version, keep=s.keep_checkpoints + 1)
         self.client.set(KEY_POLICY_VERSION, state.version)
         if self.sender is not None:
-            wv = self.sender.publish(state.version, step=state.step, batch_id=batch.batch_id,
-                                     checkpoint_dir=str(snapshot) if snapshot else None)  # fmt: skip
+            wv = self.sender.publish(
+                state.version,
+                step=state.step,
+                batch_id=batch.batch_id,
+                checkpoint_dir=str(snapshot) if snapshot else None,
+            )
             m |= {"sync_seconds": wv.sync_seconds, "sync_replicas": len(wv.replicas)}
         entry = LedgerEntry(
             batch_id=batch.batch_id,
@@ -146,8 +176,9 @@ class Learner:
         ledger.append(self.ledger, entry)
         self.unacked.append(d.entry_id)
         self.trained_now += 1
-        log.info("batch %d -> version %d: loss %.4f, %.1f s", batch.batch_id, state.version, m.get("loss", 0.0),
-                 m["seconds"])  # fmt: skip
+        log.info(
+            "batch %d -> version %d: loss %.4f, %.1f s", batch.batch_id, state.version, m.get("loss", 0.0), m["seconds"]
+        )
 
     def commit(self) -> None:
         """Checkpoint, then acknowledge the batches the checkpoint holds, then trim the stream."""
@@ -163,8 +194,10 @@ class Learner:
         """Keep the buffer's batch-id counter past every id the checkpoint holds: a Redis restored from an older
         file would hand them out again (harmless — batches are known by content — but confusing to read)."""
         if self.state.trained and raise_counter(self.client, KEY_BATCH_ID, max(self.state.trained) + 1):
-            log.warning("the batch-id counter was behind the checkpoint (Redis lost writes?): raised to %d",
-                        max(self.state.trained) + 1)  # fmt: skip
+            log.warning(
+                "the batch-id counter was behind the checkpoint (Redis lost writes?): raised to %d",
+                max(self.state.trained) + 1,
+            )
 
     def close(self) -> None:
         """After the last step: commit what is trained but not in a checkpoint."""

@@ -49,24 +49,37 @@ def tiny_llama(
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=512, pad_token_id=0,
-        eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     if tokenizer:
         tiny_tokenizer().save_pretrained(path)
     return path
 
 
-def group(i: int, rewards: list[float], *, prompt_len: int = 6, resp_len: int = 8, version: int = 0,
-          seed: int | None = None) -> ScoredGroup:  # fmt: skip
+def group(
+    i: int, rewards: list[float], *, prompt_len: int = 6, resp_len: int = 8, version: int = 0, seed: int | None = None
+) -> ScoredGroup:
     rng = random.Random(i if seed is None else seed)
     task = PromptTask(
-        task_id=f"t{i}-{uuid.uuid4().hex[:6]}", prompt_id=f"p{i}",
+        task_id=f"t{i}-{uuid.uuid4().hex[:6]}",
+        prompt_id=f"p{i}",
         prompt_token_ids=[rng.randrange(3, VOCAB) for _ in range(prompt_len)],
-        ground_truth="1", verifier="dapo_math", data_source="test", n_samples=len(rewards),
-    )  # fmt: skip
+        ground_truth="1",
+        verifier="dapo_math",
+        data_source="test",
+        n_samples=len(rewards),
+    )
     samples = [
         Sample(
             response_token_ids=[rng.randrange(3, VOCAB) for _ in range(resp_len - j % 3)],
@@ -74,7 +87,7 @@ def group(i: int, rewards: list[float], *, prompt_len: int = 6, resp_len: int = 
             logprobs=[-5.5] * (resp_len - j % 3),
             finish_reason="stop",
             policy_version=version,
-        )  # fmt: skip
+        )
         for j in range(len(rewards))
     ]
     scores = [Score(reward=r, acc=r > 0) for r in rewards]

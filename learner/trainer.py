@@ -157,13 +157,21 @@ class Trainer:
         mask = part.attention_mask.to(self.device)
         if self.s.zero_stage == 3:  # partitioned weights: only a module call gathers the lm_head, so full logits
             logits = self.engine(input_ids=ids, attention_mask=mask).logits
-            lp, ent = token_logprobs_and_entropy(logits / part.temperature.to(logits).view(-1, 1, 1), ids,
-                                                 with_entropy=with_entropy)  # fmt: skip
+            lp, ent = token_logprobs_and_entropy(
+                logits / part.temperature.to(logits).view(-1, 1, 1), ids, with_entropy=with_entropy
+            )
             keep = only.to(lp)
             return lp * keep, None if ent is None else ent * keep
         hidden = module.get_decoder()(input_ids=ids, attention_mask=mask)[0]
-        return chunked_logprobs(hidden, module.get_output_embeddings(), ids, part.temperature,
-                                chunk=self.s.logprob_chunk, with_entropy=with_entropy, only=only)  # fmt: skip
+        return chunked_logprobs(
+            hidden,
+            module.get_output_embeddings(),
+            ids,
+            part.temperature,
+            chunk=self.s.logprob_chunk,
+            with_entropy=with_entropy,
+            only=only,
+        )
 
     def prepare(self, batch: TrainBatch, version: int | None = None) -> BatchTensors:
         """Tensors, advantages, the proximal log-probs, the off-policy weights; the behaviour/proximal gap in
@@ -179,8 +187,9 @@ class Trainer:
             self._gap |= gap_by_lag(t.old_logp, t.behaviour_logp, t.loss_mask, version - t.versions)
             self._gap |= token_versions(t.versions, t.response_mask, version)
         if s.off_policy != "off":  # weigh each token by pi_prox / pi_behav (the decoupled objective)
-            t.is_weights, bound = importance_weights(t.old_logp, t.behaviour_logp, t.loss_mask, mode=s.off_policy,
-                                                     cap=s.off_policy_cap)  # fmt: skip
+            t.is_weights, bound = importance_weights(
+                t.old_logp, t.behaviour_logp, t.loss_mask, mode=s.off_policy, cap=s.off_policy_cap
+            )
             self._gap["is_bound_frac"] = float(bound.sum()) / max(float((t.loss_mask > 0).sum()), 1.0)
             if s.off_policy == "token-mask":  # masked tokens leave the loss, its token count included
                 t.loss_mask = t.loss_mask * (~bound)
@@ -229,8 +238,13 @@ class Trainer:
     def set_lr(self, batches_done: int) -> float:
         """The LR of the next batch, from the number of batches trained before it."""
         s = self.s
-        lr = s.lr * lr_factor(batches_done, warmup=s.warmup_batches, schedule=s.lr_schedule,
-                              decay=s.lr_decay_batches or s.max_batches, min_ratio=s.lr_min_ratio)  # fmt: skip
+        lr = s.lr * lr_factor(
+            batches_done,
+            warmup=s.warmup_batches,
+            schedule=s.lr_schedule,
+            decay=s.lr_decay_batches or s.max_batches,
+            min_ratio=s.lr_min_ratio,
+        )
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.batches_done = batches_done + 1
@@ -254,8 +268,9 @@ class Trainer:
         from deepspeed.runtime.utils import clip_grad_norm_
 
         engine = self.engine
-        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
-                               mpu=engine.mpu)  # fmt: skip
+        norm = clip_grad_norm_(
+            parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu
+        )
         self._clip_norm = float(norm)
 
     def _micro_step(
@@ -267,11 +282,19 @@ class Trainer:
         logp = self._logprobs(part, part.loss_mask)[0]
         dev = self.device
         loss, m = policy_loss(
-            logp, part.old_logp.to(dev), part.advantages.to(dev), part.loss_mask.to(dev),
-            clip_low=self.s.clip_low, clip_high=self.s.clip_high, clip_c=self.s.clip_c, agg=self.s.loss_agg,
-            global_tokens=tokens, global_seqs=seqs, norm_len=norm_len,
+            logp,
+            part.old_logp.to(dev),
+            part.advantages.to(dev),
+            part.loss_mask.to(dev),
+            clip_low=self.s.clip_low,
+            clip_high=self.s.clip_high,
+            clip_c=self.s.clip_c,
+            agg=self.s.loss_agg,
+            global_tokens=tokens,
+            global_seqs=seqs,
+            norm_len=norm_len,
             is_weights=None if part.is_weights is None else part.is_weights.to(dev),
-        )  # fmt: skip
+        )
         self.engine.backward(loss * (self.world if weight else 0.0), scale_wrt_gas=False)
         m["loss"] = float(loss.detach()) * tokens / max(float(part.loss_mask.sum()), 1.0)  # this part's token-mean
         return m, float(part.loss_mask.sum())

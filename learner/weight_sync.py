@@ -52,16 +52,21 @@ QUARANTINE_MAX_S = 300.0
 class SyncMetrics:
     def __init__(self, registry: CollectorRegistry):
         r = registry
-        self.seconds = Histogram("dapo_learner_sync_seconds", "Seconds per weight-broadcast round.", registry=r,
-                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))  # fmt: skip
+        self.seconds = Histogram(
+            "dapo_learner_sync_seconds",
+            "Seconds per weight-broadcast round.",
+            registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
         self.bytes = Counter("dapo_learner_sync_bytes", "Weight bytes broadcast (once per round).", registry=r)
         self.gbps = Gauge("dapo_learner_sync_gbps", "GB/s of the last round (bytes / round seconds).", registry=r)
         self.replicas = Gauge("dapo_learner_sync_replicas", "Replicas in the broadcast group.", registry=r)
         self.rebuilds = Counter("dapo_learner_sync_rebuilds", "Broadcast groups built.", registry=r)
         self.timeouts = Counter("dapo_learner_sync_timeouts", "Replicas dropped: no answer in time.", registry=r)
         self.failures = Counter("dapo_learner_sync_failures", "Rounds or rebuilds that failed.", registry=r)
-        self.served = Gauge("dapo_learner_replica_weight_version", "Version each live replica serves.", ("replica",),
-                            registry=r)  # fmt: skip
+        self.served = Gauge(
+            "dapo_learner_replica_weight_version", "Version each live replica serves.", ("replica",), registry=r
+        )
 
 
 @dataclass
@@ -101,8 +106,16 @@ def zero3_gather(index: list[int], params: list[torch.nn.Parameter]) -> Any:
 
 
 class WeightSender:
-    def __init__(self, s: Any, client: redis.Redis, module: torch.nn.Module, registry: CollectorRegistry, *,
-                 zero3: bool = False, gather: Gather | None = None):  # fmt: skip
+    def __init__(
+        self,
+        s: Any,
+        client: redis.Redis,
+        module: torch.nn.Module,
+        registry: CollectorRegistry,
+        *,
+        zero3: bool = False,
+        gather: Gather | None = None,
+    ):
         self.s, self.client, self.module, self.zero3 = s, client, module, zero3
         self.gather = gather or zero3_gather  # ZeRO-3 on N ranks: learner/ranks.py's, which the other ranks join
         self.m = SyncMetrics(registry)
@@ -121,14 +134,22 @@ class WeightSender:
         try:
             self.store = store_server(bind, s.sync_port, self.timeout_s)
         except Exception as e:  # noqa: BLE001 -- OSError, torch's DistNetworkError/RuntimeError: say what to change
-            raise RuntimeError(f"weight sync: cannot listen on {bind}:{s.sync_port} ({e}); set DAPO_SYNC_PORT / "
-                               "--sync-port (0 picks a free port) or --sync-bind-host") from e  # fmt: skip
+            raise RuntimeError(
+                f"weight sync: cannot listen on {bind}:{s.sync_port} ({e}); set DAPO_SYNC_PORT / "
+                "--sync-port (0 picks a free port) or --sync-bind-host"
+            ) from e
         self.port = int(self.store.port)
         self.gen: Generation | None = None
         self.quarantine: dict[str, Quarantine] = {}
         self.last_checksum: int | None = None
-        log.info("weight sync: %d parameters in %d buckets (%.1f MB), rendezvous %s:%d", len(self.params),
-                 len(self.manifest.buckets), self.manifest.nbytes / 1e6, s.sync_host, self.port)  # fmt: skip
+        log.info(
+            "weight sync: %d parameters in %d buckets (%.1f MB), rendezvous %s:%d",
+            len(self.params),
+            len(self.manifest.buckets),
+            self.manifest.nbytes / 1e6,
+            s.sync_host,
+            self.port,
+        )
 
     # ------------------------------------------------------------------ membership
 
@@ -174,8 +195,9 @@ class WeightSender:
 
     # ------------------------------------------------------------------ rounds
 
-    def publish(self, version: int, *, step: int = 0, batch_id: int | None = None,
-                checkpoint_dir: str | None = None) -> WeightVersion:  # fmt: skip
+    def publish(
+        self, version: int, *, step: int = 0, batch_id: int | None = None, checkpoint_dir: str | None = None
+    ) -> WeightVersion:
         """Bring every live replica to `version`; returns the WeightVersion published in Redis."""
         t0 = time.perf_counter()
         acked: list[str] = []
@@ -195,8 +217,15 @@ class WeightSender:
         if acked:
             self.quarantine = {k: v for k, v in self.quarantine.items() if k not in acked}
         seconds = time.perf_counter() - t0
-        wv = WeightVersion(version=version, step=step, batch_id=batch_id, checkpoint_dir=checkpoint_dir,
-                           checksum=self.last_checksum, replicas=acked, sync_seconds=seconds)  # fmt: skip
+        wv = WeightVersion(
+            version=version,
+            step=step,
+            batch_id=batch_id,
+            checkpoint_dir=checkpoint_dir,
+            checksum=self.last_checksum,
+            replicas=acked,
+            sync_seconds=seconds,
+        )
         self.client.set(KEY_WEIGHTS, pack(wv))
         if acked:
             self.m.seconds.observe(seconds)
@@ -215,8 +244,14 @@ class WeightSender:
         ps.set("manifest/mac", mac(self.key, "manifest", number, manifest))  # before the manifest: readers wait on it
         ps.set("manifest", manifest)
         invited = [beats[r].incarnation for r in members]
-        announce = SyncGroup(generation=number, host=self.s.sync_host, port=self.port, candidates=members,
-                             timeout_s=self.timeout_s, incarnations=invited)  # fmt: skip
+        announce = SyncGroup(
+            generation=number,
+            host=self.s.sync_host,
+            port=self.port,
+            candidates=members,
+            timeout_s=self.timeout_s,
+            incarnations=invited,
+        )
         self.client.set(KEY_SYNC_GROUP, pack(announce))
         joined = self._await(ps, {r: f"join/{r}" for r in members}, beats)
         self._set_aside([r for r in members if r not in joined], beats)
@@ -289,11 +324,15 @@ class WeightSender:
                 last[0] = time.monotonic()
                 seen.clear()
                 seen.update(self.heartbeats())
-                dead = [r for r in members if r not in seen
-                        or (r in beats and seen[r].incarnation != beats[r].incarnation)]  # fmt: skip
+                dead = [
+                    r for r in members if r not in seen or (r in beats and seen[r].incarnation != beats[r].incarnation)
+                ]
                 for r in dead:
-                    log.warning("weight sync: %s is gone (%s)", r, "heartbeat expired" if r not in seen
-                                else "a new process has its id")  # fmt: skip
+                    log.warning(
+                        "weight sync: %s is gone (%s)",
+                        r,
+                        "heartbeat expired" if r not in seen else "a new process has its id",
+                    )
                 return dead
             return []
 

@@ -75,9 +75,17 @@ def _std(xs: list[float]) -> float:
 def summarize(results: list[RunResult]) -> tuple[list[PresetSummary], list[Difference]]:
     order = list(dict.fromkeys(r.preset for r in results))
     by = {p: [r for r in results if r.preset == p] for p in order}
-    rows = [PresetSummary(p, [r.seed for r in rs], statistics.fmean(r.final for r in rs),
-                          _std([r.final for r in rs]), statistics.fmean(r.best for r in rs), _std([r.best for r in rs]))
-            for p, rs in by.items()]  # fmt: skip
+    rows = [
+        PresetSummary(
+            p,
+            [r.seed for r in rs],
+            statistics.fmean(r.final for r in rs),
+            _std([r.final for r in rs]),
+            statistics.fmean(r.best for r in rs),
+            _std([r.best for r in rs]),
+        )
+        for p, rs in by.items()
+    ]
     first = rows[0]
     diffs = []
     for row in rows[1:]:
@@ -92,8 +100,11 @@ def markdown(results: list[RunResult]) -> str:
     rows, diffs = summarize(results)
     out = ["| preset | seed | final held-out avg@k | best |", "|---|---|---|---|"]
     out += [f"| {r.preset} | {r.seed} | {r.final:.3f} (v{r.final_version}) | {r.best:.3f} |" for r in results]
-    out += [f"| **{s.preset}** | mean ± std over {len(s.seeds)} | **{s.final_mean:.3f} ± {s.final_std:.3f}** | "
-            f"{s.best_mean:.3f} ± {s.best_std:.3f} |" for s in rows]  # fmt: skip
+    out += [
+        f"| **{s.preset}** | mean ± std over {len(s.seeds)} | **{s.final_mean:.3f} ± {s.final_std:.3f}** | "
+        f"{s.best_mean:.3f} ± {s.best_std:.3f} |"
+        for s in rows
+    ]
     out += [f"\n{rows[0].preset} − {d.preset}: {d.diff:+.3f} ± {d.stderr:.3f} (standard error)" for d in diffs]
     return "\n".join(out)
 
@@ -105,8 +116,15 @@ def run_dir_of(root: Path, preset: Path, seed: int) -> Path:
 Runner = Callable[[MeshConfig], Any]
 
 
-def ablate(presets: list[Path], seeds: list[int], root: Path, *, steps: int | None = None,
-           say: Callable[[str], None] = print, run: Runner | None = None) -> list[RunResult]:  # fmt: skip
+def ablate(
+    presets: list[Path],
+    seeds: list[int],
+    root: Path,
+    *,
+    steps: int | None = None,
+    say: Callable[[str], None] = print,
+    run: Runner | None = None,
+) -> list[RunResult]:
     """Every preset with every seed (skipping runs already complete), then their results in that order."""
     root.mkdir(parents=True, exist_ok=True)
     results = []
@@ -131,8 +149,10 @@ def ablate(presets: list[Path], seeds: list[int], root: Path, *, steps: int | No
 def eval_curves(run_dir: Path) -> tuple[Curve, Curve]:
     """(held-out avg@k, mean response tokens) by policy version, from a run's evaluations."""
     evals = _evals(run_dir)
-    return ([(v, r["eval_acc"]) for v, r in evals],
-            [(v, r["eval_response_tokens"]) for v, r in evals if "eval_response_tokens" in r])  # fmt: skip
+    return (
+        [(v, r["eval_acc"]) for v, r in evals],
+        [(v, r["eval_response_tokens"]) for v, r in evals if "eval_response_tokens" in r],
+    )
 
 
 def draw(root: Path, presets: list[Path], seeds: list[int]) -> Path:

@@ -175,9 +175,21 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
 
     counts = dict.fromkeys(PLACES, 0)
     for t in dispatched:
-        place = ("trained" if t in trained else "dropped" if t in dropped else "in_batch" if t in in_batch
-                 else "at_buffer" if t in at_buffer else "at_rollout" if t in at_rollout
-                 else "dead_lettered" if t in dead else "vanished")  # fmt: skip
+        place = (
+            "trained"
+            if t in trained
+            else "dropped"
+            if t in dropped
+            else "in_batch"
+            if t in in_batch
+            else "at_buffer"
+            if t in at_buffer
+            else "at_rollout"
+            if t in at_rollout
+            else "dead_lettered"
+            if t in dead
+            else "vanished"
+        )
         counts[place] += 1
         if place == "vanished":
             r.vanished.append(t)

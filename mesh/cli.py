@@ -18,7 +18,7 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, cast
 
 import typer
 from rich.console import Console
@@ -99,9 +99,15 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
         if (raw := client.get(key)) is None:
             continue
         hb = unpack(raw, ReplicaHeartbeat)
-        replicas.add_row(hb.replica_id, hb.state, str(hb.weight_version), str(hb.weight_checksum or "-"),
-                         f"{hb.tokens_per_s:.0f}", "yes" if hb.sync_broadcast else "no",
-                         f"{time.time() - hb.timestamp:.0f} s")  # fmt: skip
+        replicas.add_row(
+            hb.replica_id,
+            hb.state,
+            str(hb.weight_version),
+            str(hb.weight_checksum or "-"),
+            f"{hb.tokens_per_s:.0f}",
+            "yes" if hb.sync_broadcast else "no",
+            f"{time.time() - hb.timestamp:.0f} s",
+        )
     console.print(replicas)
     table = Table("stream", "length", "group", "consumers", "pending", "lag")
     for name in (STREAM_PROMPTS, STREAM_ROLLOUTS, STREAM_BATCHES, DEAD_LETTER_STREAM):
@@ -160,13 +166,17 @@ def audit(
             table.add_row(place, str(report.places.get(place, 0)))
         console.print(table)
         console.print(f"dropped by reason: {report.dropped_by_reason}")
-        console.print(f"batches in the weights: {report.batches_trained}; trained twice: "
-                      f"{report.batches_trained_twice or 'none'}; groups in two batches: "
-                      f"{report.groups_in_two_batches or 'none'}; trainings lost in learner crashes: "
-                      f"{report.trainings_lost_in_crashes}; dead letters: {report.dead_letters}; "
-                      f"restarts: {report.restarts or 'none'}")  # fmt: skip
-        console.print(f"trained tokens by version lag: {report.token_lag or '-'}; samples spanning more than one "
-                      f"version: {report.samples_spanning} of {report.samples_trained}")  # fmt: skip
+        console.print(
+            f"batches in the weights: {report.batches_trained}; trained twice: "
+            f"{report.batches_trained_twice or 'none'}; groups in two batches: "
+            f"{report.groups_in_two_batches or 'none'}; trainings lost in learner crashes: "
+            f"{report.trainings_lost_in_crashes}; dead letters: {report.dead_letters}; "
+            f"restarts: {report.restarts or 'none'}"
+        )
+        console.print(
+            f"trained tokens by version lag: {report.token_lag or '-'}; samples spanning more than one "
+            f"version: {report.samples_spanning} of {report.samples_trained}"
+        )
         console.print("[green]balanced[/]" if report.balanced else f"[red]NOT balanced[/]: vanished {report.vanished}")
     raise typer.Exit(0 if report.balanced else 1)
 
@@ -185,8 +195,14 @@ def redrive(
 
     client = connect(redis_url or "redis://127.0.0.1:6379/0", retries=1)
     moved = run_redrive(client, stream=stream, kind=kind, match=match, dry_run=dry_run)
-    table = Table("dead letter", "to stream", "kind", "reason", "new entry",
-                  title=f"{len(moved)} dead letters {'would move' if dry_run else 'moved'}")  # fmt: skip
+    table = Table(
+        "dead letter",
+        "to stream",
+        "kind",
+        "reason",
+        "new entry",
+        title=f"{len(moved)} dead letters {'would move' if dry_run else 'moved'}",
+    )
     for m in moved:
         table.add_row(m.dead_letter_id, m.stream, m.kind, m.reason[:60], m.new_id or "-")
     console.print(table)
@@ -230,8 +246,9 @@ def replay(
     from learner.replay import replay as run_replay
 
     try:
-        path = run_replay(batches, model_dir, out, zero_stage=zero_stage, dtype=dtype, until=until, nproc=nproc,
-                          say=console.print)  # fmt: skip
+        path = run_replay(
+            batches, model_dir, out, zero_stage=zero_stage, dtype=dtype, until=until, nproc=nproc, say=console.print
+        )
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e)) from None
     except RuntimeError as e:
@@ -287,22 +304,32 @@ def evaluate(
     if engine not in ("vllm", "hf") or template not in ("dapo", "short", "none") or dtype not in DTYPES:
         raise typer.BadParameter("--engine is vllm or hf; --template is dapo, short or none; --dtype auto, bf16, fp32")
     config = json.loads(dataset_config) if dataset_config else None  # None: the buffer's default
-    items = load_eval_items(data, size=size, seed=dataset_seed, dataset_size=dataset_size, config=config,
-                            template=template)  # type: ignore[arg-type]  # fmt: skip
+    items = load_eval_items(
+        data, size=size, seed=dataset_seed, dataset_size=dataset_size, config=config, template=cast(Any, template)
+    )
     model_dir = model or prepare_smollm2(RunLayout(RUN_DIR).smollm2)
     with contextlib.ExitStack() as stack:
         if reward_url is None:
             env = {"DAPO_AUTH_TOKEN": reward_token} if reward_token else {}
-            reward_url, _ = stack.enter_context(running("reward_server", "--workers", "1", ready_path="/readyz",
-                                                        env=env, token=reward_token))  # fmt: skip
+            reward_url, _ = stack.enter_context(
+                running("reward_server", "--workers", "1", ready_path="/readyz", env=env, token=reward_token)
+            )
         client = RewardClient(reward_url, token=reward_token)
         stack.callback(client.close)
         # built as a replica builds it: the same seed draws the same samples
         eng = load_engine(model_dir, engine, dtype=resolve_dtype(dtype))  # type: ignore[arg-type]
-        report, samples = run_eval(eng, items, client, k=k,
-                                   params=SamplingParams(temperature, top_p, max_tokens, seed))  # fmt: skip
-    report.settings = {"model": str(model_dir), "data": data, "size": len(items), "engine": engine, "dtype": eng.dtype,
-                       "seed": seed, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}  # fmt: skip
+        report, samples = run_eval(eng, items, client, k=k, params=SamplingParams(temperature, top_p, max_tokens, seed))
+    report.settings = {
+        "model": str(model_dir),
+        "data": data,
+        "size": len(items),
+        "engine": engine,
+        "dtype": eng.dtype,
+        "seed": seed,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_tokens": max_tokens,
+    }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(report.to_json())
@@ -391,16 +418,24 @@ def up(
     if check:
         _check(redis_url, run_dir)
         return
-    given = {"redis_url": redis_url, "replicas": replicas, "linger_s": linger_s, "transport": transport,
-             "learner_ranks": learner_ranks}  # fmt: skip
+    given = {
+        "redis_url": redis_url,
+        "replicas": replicas,
+        "linger_s": linger_s,
+        "transport": transport,
+        "learner_ranks": learner_ranks,
+    }
     given |= {"steps": steps} if steps else {}
     given |= {} if eval_every is None else {"eval_every": eval_every}
     given |= {} if tiny else {"engine": engine}  # --tiny: the HF engine
     given |= {} if seed is None else {"seed": seed}
     given |= {k: v for k, v in (("dtype", dtype), ("placement", placement)) if v is not None}
     try:
-        preset = (MeshConfig.tiny_preset(run_dir, steps=steps or 3) if tiny
-                  else MeshConfig.from_preset(config or DEFAULT_PRESET, run_dir=run_dir))  # fmt: skip
+        preset = (
+            MeshConfig.tiny_preset(run_dir, steps=steps or 3)
+            if tiny
+            else MeshConfig.from_preset(config or DEFAULT_PRESET, run_dir=run_dir)
+        )
     except PresetError as e:
         raise typer.BadParameter(str(e), param_hint="--config") from None
     try:
@@ -412,8 +447,10 @@ def up(
     try:
         mesh.start()
         code = mesh.run()
-        console.print(f"[green]done[/]: {cfg.steps} steps; logs in {mesh.paths.logs}, metrics in "
-                      f"{mesh.paths.metrics}, weights in {mesh.paths.snapshots}")  # fmt: skip
+        console.print(
+            f"[green]done[/]: {cfg.steps} steps; logs in {mesh.paths.logs}, metrics in "
+            f"{mesh.paths.metrics}, weights in {mesh.paths.snapshots}"
+        )
     except KeyboardInterrupt:
         console.print("stopping (Ctrl-C)")
     finally:

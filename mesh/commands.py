@@ -62,23 +62,71 @@ def service_commands(
     broadcast = cfg.transport == "broadcast"
     flags: dict[str, list[str]] = {
         "reward": ["--workers", "1"],
-        "buffer": ["--run-dir", str(run.buffer), "--dataset", cfg.dataset, "--n-samples", str(cfg.n_samples),
-                   "--batch-size", str(cfg.batch_size), "--max-staleness", str(cfg.max_staleness)],
-        "learner": ["--model-dir", str(model_dir), "--run-dir", str(run.learner), "--max-batches", str(cfg.steps),
-                    "--minibatches", str(cfg.minibatches), "--lr", str(cfg.lr), "--dtype", cfg.dtype,
-                    "--weight-sync", "broadcast" if broadcast else "none", "--sync-port", str(ports[SYNC_PORT]),
-                    "--max-staleness", str(cfg.max_staleness), "--hold-after-max", "--ranks", str(cfg.learner_ranks)],
-    }  # fmt: skip
+        "buffer": [
+            "--run-dir",
+            str(run.buffer),
+            "--dataset",
+            cfg.dataset,
+            "--n-samples",
+            str(cfg.n_samples),
+            "--batch-size",
+            str(cfg.batch_size),
+            "--max-staleness",
+            str(cfg.max_staleness),
+        ],
+        "learner": [
+            "--model-dir",
+            str(model_dir),
+            "--run-dir",
+            str(run.learner),
+            "--max-batches",
+            str(cfg.steps),
+            "--minibatches",
+            str(cfg.minibatches),
+            "--lr",
+            str(cfg.lr),
+            "--dtype",
+            cfg.dtype,
+            "--weight-sync",
+            "broadcast" if broadcast else "none",
+            "--sync-port",
+            str(ports[SYNC_PORT]),
+            "--max-staleness",
+            str(cfg.max_staleness),
+            "--hold-after-max",
+            "--ranks",
+            str(cfg.learner_ranks),
+        ],
+    }
     for i in range(cfg.replicas):
         flags[f"rollout-{i}"] = [
-            "--engine", cfg.engine, "--model-dir", str(model_dir), "--reward-url", f"http://127.0.0.1:{ports['reward']}",
-            "--weights-dir", str(run.snapshots), "--replica-id", f"rollout-{i}",
-            "--max-response-tokens", str(cfg.max_response_tokens),
-            "--sync-broadcast" if broadcast else "--no-sync-broadcast", "--dtype", cfg.dtype,
-        ]  # fmt: skip
+            "--engine",
+            cfg.engine,
+            "--model-dir",
+            str(model_dir),
+            "--reward-url",
+            f"http://127.0.0.1:{ports['reward']}",
+            "--weights-dir",
+            str(run.snapshots),
+            "--replica-id",
+            f"rollout-{i}",
+            "--max-response-tokens",
+            str(cfg.max_response_tokens),
+            "--sync-broadcast" if broadcast else "--no-sync-broadcast",
+            "--dtype",
+            cfg.dtype,
+        ]
         if cfg.eval_every and i == 0:  # rollout-0 evaluates the held-out split the buffer wrote
-            flags["rollout-0"] += ["--eval-every", str(cfg.eval_every), "--eval-data", str(run.eval_items),
-                                   "--eval-size", str(cfg.eval_size), "--eval-k", str(cfg.eval_k)]  # fmt: skip
+            flags["rollout-0"] += [
+                "--eval-every",
+                str(cfg.eval_every),
+                "--eval-data",
+                str(run.eval_items),
+                "--eval-size",
+                str(cfg.eval_size),
+                "--eval-k",
+                str(cfg.eval_k),
+            ]
     if cfg.seed is not None:  # before the preset's flags: a preset may still set its own
         flags["buffer"] += ["--shuffle-seed", str(cfg.seed)]
         flags["learner"] += ["--seed", str(cfg.seed)]
@@ -89,8 +137,10 @@ def service_commands(
         for i in range(cfg.replicas):
             flags[f"rollout-{i}"] += ["--cpu-cores", cores[1]]
     env = {"DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
-    return [ServiceCommand(name, ("--port", str(ports[name]), *flags[name], *cfg.extra.get(_service(name), [])), env)
-            for name in service_names(cfg)]  # fmt: skip
+    return [
+        ServiceCommand(name, ("--port", str(ports[name]), *flags[name], *cfg.extra.get(_service(name), [])), env)
+        for name in service_names(cfg)
+    ]
 
 
 def split_cores(cores: set[int] | None = None) -> tuple[str, str] | None:

@@ -106,11 +106,24 @@ class MeshConfig(BaseModel):
 
     @classmethod
     def tiny_preset(cls, run_dir: Path, steps: int = 3) -> MeshConfig:
-        return cls(run_dir=run_dir, steps=steps, tiny=True, engine="hf", n_samples=4, batch_size=4,
-                   max_response_tokens=24, minibatches=2, lr=1e-4, eval_size=16, eval_k=2,
-                   extra={"buffer": ["--no-dynamic-sampling"],  # a random model gets nothing right
-                          # as the presets: a group past the bound at the update is trained under the correction
-                          "learner": ["--off-policy", "token-tis", "--stale-groups", "reweight"]})  # fmt: skip
+        return cls(
+            run_dir=run_dir,
+            steps=steps,
+            tiny=True,
+            engine="hf",
+            n_samples=4,
+            batch_size=4,
+            max_response_tokens=24,
+            minibatches=2,
+            lr=1e-4,
+            eval_size=16,
+            eval_k=2,
+            extra={
+                "buffer": ["--no-dynamic-sampling"],  # a random model gets nothing right
+                # as the presets: a group past the bound at the update is trained under the correction
+                "learner": ["--off-policy", "token-tis", "--stale-groups", "reweight"],
+            },
+        )
 
 
 # where a run goes and what runs it are the caller's, not a preset's
@@ -181,8 +194,10 @@ def read_preset(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, dict[str,
 def _validate(path: Path, section: str, model: type[BaseModel], values: dict[str, Any], allowed: set[str]) -> None:
     if bad := sorted(set(values) - allowed):
         near = sorted({m for b in bad for m in difflib.get_close_matches(b, allowed, n=2)})
-        raise PresetError(f"{path}: [{section}] has no setting {bad}; " + (f"did you mean {near}?" if near else
-                          f"it has {sorted(allowed)}"))  # fmt: skip
+        raise PresetError(
+            f"{path}: [{section}] has no setting {bad}; "
+            + (f"did you mean {near}?" if near else f"it has {sorted(allowed)}")
+        )
     try:
         model.model_validate(values)
     except ValidationError as e:

@@ -65,8 +65,14 @@ def plot_ablation(runs: dict[str, dict[int, tuple[Curve, Curve]]], out: Path) ->
             for c in curves:
                 ax.plot(list(c), list(c.values()), color=colour, alpha=0.35, linewidth=1)
             shared = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-            ax.plot(shared, [sum(c[v] for c in curves) / len(curves) for v in shared], color=colour, linewidth=2.5,
-                    marker="o", label=f"{preset} (mean of {len(curves)} seeds)")  # fmt: skip
+            ax.plot(
+                shared,
+                [sum(c[v] for c in curves) / len(curves) for v in shared],
+                color=colour,
+                linewidth=2.5,
+                marker="o",
+                label=f"{preset} (mean of {len(curves)} seeds)",
+            )
     for ax, title in zip(axes, ("held-out avg@k", "mean response tokens (held-out)"), strict=True):
         ax.set_title(title)
         ax.set_xlabel("policy version")

@@ -71,8 +71,13 @@ def scrape(name: str, port: int, alive: bool, timeout_s: float = 1.0) -> Service
 
 def value(states: list[ServiceState], name: str, *, prefix: str = "", how: str = "sum", **labels: str) -> float:
     """One number from every service whose name starts with `prefix`: sum, max or mean of the samples."""
-    vals = [v for st in states if st.name.startswith(prefix) for lab, v in st.metrics.get(name, [])
-            if all(lab.get(k) == x for k, x in labels.items())]  # fmt: skip
+    vals = [
+        v
+        for st in states
+        if st.name.startswith(prefix)
+        for lab, v in st.metrics.get(name, [])
+        if all(lab.get(k) == x for k, x in labels.items())
+    ]
     if not vals:
         return math.nan
     return {"sum": sum(vals), "max": max(vals), "min": min(vals), "mean": sum(vals) / len(vals)}[how]
@@ -113,8 +118,9 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
 
 class LiveView:
     def __init__(self, steps: int):
-        self.progress = Progress(TextColumn("[bold]learner steps"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn())  # fmt: skip
+        self.progress = Progress(
+            TextColumn("[bold]learner steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+        )
         self.task = self.progress.add_task("steps", total=steps)
         self.states: list[ServiceState] = []
         self.last: dict[str, Any] = {}
@@ -128,18 +134,40 @@ class LiveView:
     def render(self) -> Group:
         m = self.last
         n = mesh_numbers(self.states) if self.states else {}
-        train = Table("reward", "accuracy", "entropy", "clip ↑", "clip ↓", "behav KL", "filtered", "version lag",
-                      "gen tok/s", "idle", "spans", "train tok/s", "sync s", "serve s", title="last step",
-                      title_justify="left")  # fmt: skip
+        train = Table(
+            "reward",
+            "accuracy",
+            "entropy",
+            "clip ↑",
+            "clip ↓",
+            "behav KL",
+            "filtered",
+            "version lag",
+            "gen tok/s",
+            "idle",
+            "spans",
+            "train tok/s",
+            "sync s",
+            "serve s",
+            title="last step",
+            title_justify="left",
+        )
         train.add_row(
-            _fmt(m.get("reward_mean"), "+.3f"), _fmt(m.get("acc_mean")), _fmt(m.get("entropy")),
-            _fmt(m.get("clip_frac_upper"), ".4f"), _fmt(m.get("clip_frac_lower"), ".4f"),
+            _fmt(m.get("reward_mean"), "+.3f"),
+            _fmt(m.get("acc_mean")),
+            _fmt(m.get("entropy")),
+            _fmt(m.get("clip_frac_upper"), ".4f"),
+            _fmt(m.get("clip_frac_lower"), ".4f"),
             _fmt(m.get("behav_kl"), ".4f"),
-            _fmt(n.get("filtered_frac"), ".0%"), _fmt(n.get("version_lag_mean"), ".2f"),
-            _fmt(n.get("rollout_tokens_per_s"), ".0f"), _fmt(n.get("rollout_idle_frac"), ".0%"),
-            _fmt(n.get("multi_version_frac"), ".0%"), _fmt(m.get("tokens_per_s"), ".0f"),
-            _fmt(m.get("sync_seconds"), ".2f"), _fmt(n.get("weight_serve_seconds_mean"), ".2f"),
-        )  # fmt: skip
+            _fmt(n.get("filtered_frac"), ".0%"),
+            _fmt(n.get("version_lag_mean"), ".2f"),
+            _fmt(n.get("rollout_tokens_per_s"), ".0f"),
+            _fmt(n.get("rollout_idle_frac"), ".0%"),
+            _fmt(n.get("multi_version_frac"), ".0%"),
+            _fmt(m.get("tokens_per_s"), ".0f"),
+            _fmt(m.get("sync_seconds"), ".2f"),
+            _fmt(n.get("weight_serve_seconds_mean"), ".2f"),
+        )
         health = Table("service", "port", "state", "restarts", "detail", title="services", title_justify="left")
         for st in self.states:
             state = "[green]ready" if st.ready else "[red]down" if not st.alive else "[yellow]not ready"

@@ -60,14 +60,27 @@ class RunRecorder:
         for entry_id, fields in entries:
             self._eval_seen = entry_id.decode()
             e = decode(fields, EvalResult)
-            rows.append({"kind": "eval", "step": e.version, "policy_version": e.version, "eval_acc": e.avg_at_k,
-                         "eval_pass_at_k": e.pass_at_k, "eval_k": e.k, "eval_prompts": e.n_prompts,
-                         "eval_response_tokens": e.mean_response_tokens, "eval_seconds": e.seconds,
-                         "eval_newest_version": e.newest_version if e.newest_version is not None else e.version,
-                         "eval_later_token_frac": e.later_token_frac, "eval_at": e.created_at,
-                         "eval_mean_token_version": e.mean_token_version or float(e.version)})  # fmt: skip
-            self.say(f"held-out eval of version {e.version}: avg@{e.k} {e.avg_at_k:.3f}  pass@{e.k} "
-                     f"{e.pass_at_k:.3f}  ({e.n_prompts} prompts, {e.seconds:.0f} s)")  # fmt: skip
+            rows.append(
+                {
+                    "kind": "eval",
+                    "step": e.version,
+                    "policy_version": e.version,
+                    "eval_acc": e.avg_at_k,
+                    "eval_pass_at_k": e.pass_at_k,
+                    "eval_k": e.k,
+                    "eval_prompts": e.n_prompts,
+                    "eval_response_tokens": e.mean_response_tokens,
+                    "eval_seconds": e.seconds,
+                    "eval_newest_version": e.newest_version if e.newest_version is not None else e.version,
+                    "eval_later_token_frac": e.later_token_frac,
+                    "eval_at": e.created_at,
+                    "eval_mean_token_version": e.mean_token_version or float(e.version),
+                }
+            )
+            self.say(
+                f"held-out eval of version {e.version}: avg@{e.k} {e.avg_at_k:.3f}  pass@{e.k} "
+                f"{e.pass_at_k:.3f}  ({e.n_prompts} prompts, {e.seconds:.0f} s)"
+            )
         self.append(rows)
         self.evaluated.update(r["policy_version"] for r in rows)
         return rows
@@ -88,12 +101,21 @@ class RunRecorder:
 def row(e: LedgerEntry, states: list[ServiceState]) -> dict[str, Any]:
     """One line of metrics.jsonl: the learner's step, and the mesh's numbers at that moment."""
     mesh = {k: v for k, v in mesh_numbers(states).items() if not math.isnan(v)}  # NaN: not known yet
-    return {"kind": "train", "step": e.version, "policy_version": e.version, "batch_id": e.batch_id, "lag": e.lag,
-            **e.metrics, **mesh}  # fmt: skip
+    return {
+        "kind": "train",
+        "step": e.version,
+        "policy_version": e.version,
+        "batch_id": e.batch_id,
+        "lag": e.lag,
+        **e.metrics,
+        **mesh,
+    }
 
 
 def line(r: dict[str, Any], steps: int) -> str:
     """A step's row as one line of the mesh's output (when it is not on a terminal)."""
-    return (f"step {r['step']}/{steps} (version {r['policy_version']}): reward {r['reward_mean']:+.3f}  "
-            f"acc {r['acc_mean']:.3f}  entropy {r['entropy']:.3f}  clip {r.get('clip_frac_upper', 0.0):.3f}  "
-            f"filtered {r.get('filtered_frac', float('nan')):.0%}  {r['seconds']:.1f} s")  # fmt: skip
+    return (
+        f"step {r['step']}/{steps} (version {r['policy_version']}): reward {r['reward_mean']:+.3f}  "
+        f"acc {r['acc_mean']:.3f}  entropy {r['entropy']:.3f}  clip {r.get('clip_frac_upper', 0.0):.3f}  "
+        f"filtered {r.get('filtered_frac', float('nan')):.0%}  {r['seconds']:.1f} s"
+    )

@@ -54,8 +54,14 @@ class Supervisor:
         self.cmds[cmd.name] = cmd
         self.paths.logs.mkdir(parents=True, exist_ok=True)
         with self.paths.log(cmd.name).open("ab") as log:
-            self.procs[cmd.name] = subprocess.Popen(cmd.argv(), env=child_env(**cmd.env), cwd=ROOT, stdout=log,
-                                                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # fmt: skip
+            self.procs[cmd.name] = subprocess.Popen(
+                cmd.argv(),
+                env=child_env(**cmd.env),
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+            )
         self._write_pids()
 
     def alive(self, name: str) -> bool:

@@ -72,8 +72,13 @@ class Mesh:
             self.sup.spawn(cmd)
         self.write_prometheus_targets()
         for name, proc in self.sup.procs.items():
-            wait_ready(proc, f"http://127.0.0.1:{self.ports[name]}/readyz", name=name, timeout_s=600,
-                       log_hint=f"; see {self.paths.log(name)}")  # fmt: skip
+            wait_ready(
+                proc,
+                f"http://127.0.0.1:{self.ports[name]}/readyz",
+                name=name,
+                timeout_s=600,
+                log_hint=f"; see {self.paths.log(name)}",
+            )
             self.say(f"ready: {name} (http://127.0.0.1:{self.ports[name]})")
 
     def write_prometheus_targets(self) -> Path:
@@ -82,8 +87,10 @@ class Mesh:
         (out / "targets").mkdir(parents=True, exist_ok=True)
         shutil.copy(PROMETHEUS_DIR / "local.yml", out / "prometheus.yml")
         shutil.copy(PROMETHEUS_DIR / "rules.yml", out / "rules.yml")
-        groups = [{"targets": [f"127.0.0.1:{self.ports[name]}"], "labels": {"job": JOBS[cmd.service], "service": name}}
-                  for name, cmd in self.sup.cmds.items()]  # fmt: skip
+        groups = [
+            {"targets": [f"127.0.0.1:{self.ports[name]}"], "labels": {"job": JOBS[cmd.service], "service": name}}
+            for name, cmd in self.sup.cmds.items()
+        ]
         tmp = out / "targets" / ".mesh.json.tmp"
         tmp.write_text(json.dumps(groups, indent=1))
         tmp.replace(out / "targets" / "mesh.json")
@@ -188,9 +195,15 @@ class Mesh:
         mine = time.process_time() - self._cpu0
         total = mine + sum(services.values())
         share = mine / total if total else 0.0
-        report = {"wall_s": time.monotonic() - self.started, "orchestrator_s": mine, "services_s": services,
-                  "orchestrator_share": share}  # fmt: skip
+        report = {
+            "wall_s": time.monotonic() - self.started,
+            "orchestrator_s": mine,
+            "services_s": services,
+            "orchestrator_share": share,
+        }
         self.paths.cpu.write_text(json.dumps(report, indent=1))
-        self.say(f"CPU: orchestrator {mine:.1f} s = {100 * share:.2f}% of the run's "
-                 f"{total:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in services.items()) + ")")  # fmt: skip
+        self.say(
+            f"CPU: orchestrator {mine:.1f} s = {100 * share:.2f}% of the run's "
+            f"{total:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in services.items()) + ")"
+        )
         return report

@@ -119,9 +119,14 @@ class VerifierPool:
 
     async def _start_worker(self) -> _Worker:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "reward_server.worker", str(self.memory_mb), env=worker_env(os.environ),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "reward_server.worker",
+            str(self.memory_mb),
+            env=worker_env(os.environ),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
         w = _Worker(proc)
         self._workers.add(w)
         try:

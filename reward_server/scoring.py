@@ -38,13 +38,18 @@ class RewardMetrics:
             "dapo_reward_items", "Items scored.", ["verifier", "outcome"], registry=registry
         )  # outcome: correct | wrong | timeout | error
         self.request_seconds = Histogram(
-            "dapo_reward_request_latency_seconds", "Latency of a score request.", registry=registry,
+            "dapo_reward_request_latency_seconds",
+            "Latency of a score request.",
+            registry=registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-        )  # fmt: skip
+        )
         self.verify_seconds = Histogram(
-            "dapo_reward_verify_latency_seconds", "Latency of one pooled verification, queue wait included.",
-            ["verifier"], registry=registry, buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
-        )  # fmt: skip
+            "dapo_reward_verify_latency_seconds",
+            "Latency of one pooled verification, queue wait included.",
+            ["verifier"],
+            registry=registry,
+            buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+        )
         self.timeouts = Counter(
             "dapo_reward_timeouts", "Verifications over the limit.", ["verifier"], registry=registry
         )
@@ -132,9 +137,14 @@ class Scorer:
             max_len = item.max_response_tokens or s.max_response_tokens
             penalty = overlong_penalty(item.response_tokens, max_len, cache_len(s, max_len), s.overlong_factor)
         return ScoreResult(
-            id=item.id, score=v.score + penalty, acc=v.acc, pred=v.pred,
-            overlong_penalty=penalty, timed_out=v.timed_out, error=v.error,
-        )  # fmt: skip
+            id=item.id,
+            score=v.score + penalty,
+            acc=v.acc,
+            pred=v.pred,
+            overlong_penalty=penalty,
+            timed_out=v.timed_out,
+            error=v.error,
+        )
 
 
 def cache_len(s: RewardSettings, max_len: int) -> int:

@@ -82,9 +82,13 @@ def main() -> None:
         limit_cpu(float(job["timeout_s"]) + 1.0)
         try:
             v = run_verifier(
-                job["verifier"], job["response"], job["ground_truth"],
-                timeout_s=job["timeout_s"], lenient=job["lenient"], continuous=job["continuous"],
-            )  # fmt: skip
+                job["verifier"],
+                job["response"],
+                job["ground_truth"],
+                timeout_s=job["timeout_s"],
+                lenient=job["lenient"],
+                continuous=job["continuous"],
+            )
             reply = {"id": job["id"], "score": v.score, "acc": v.acc, "pred": v.pred, "error": v.error}
         except Exception as e:  # a verifier bug, a bad ground truth, memory over the limit: report it, keep serving
             reply = {

@@ -105,11 +105,17 @@ class HFEngine:
             ids = torch.tensor([prompt] * k, dtype=torch.long)
             with torch.no_grad():
                 res = self.model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=params.temperature > 0,
-                    temperature=params.temperature or None, top_p=params.top_p, top_k=0,
-                    max_new_tokens=params.max_tokens, output_logits=True, return_dict_in_generate=True,
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=params.temperature > 0,
+                    temperature=params.temperature or None,
+                    top_p=params.top_p,
+                    top_k=0,
+                    max_new_tokens=params.max_tokens,
+                    output_logits=True,
+                    return_dict_in_generate=True,
                     pad_token_id=self.pad,
-                )  # fmt: skip
+                )
             # raw logits -> log-probs of the distribution sampled from: at the temperature, top-p applied (greedy:
             # the model's own), as vLLM's processed log-probs
             logits = torch.stack(res.logits, dim=1).float()  # [k, steps, V]

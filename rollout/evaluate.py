@@ -75,9 +75,14 @@ def pass_at(n: int, c: int, k: int) -> float:
 
 
 def load_eval_items(
-    data: str, *, size: int = 200, seed: int = 42, dataset_size: int = 10_000,
-    config: dict[str, dict[str, Any]] | None = None, template: Template = "short",
-) -> list[Item]:  # fmt: skip
+    data: str,
+    *,
+    size: int = 200,
+    seed: int = 42,
+    dataset_size: int = 10_000,
+    config: dict[str, dict[str, Any]] | None = None,
+    template: Template = "short",
+) -> list[Item]:
     """A dataset spec: its held-out split, exactly as the buffer draws it given the same seed, training size
     (questions that occur in training are dropped), config and template. Or a .jsonl file of items (the
     buffer's run_dir/eval.jsonl). The first `size` items. No config: the buffer's default one."""
@@ -87,15 +92,21 @@ def load_eval_items(
         return source.eval
     path = Path(data)
     if not path.is_file():
-        raise FileNotFoundError(f"evaluation data {data!r}: neither a dataset spec (reasoning_gym:..., file:...) "
-                                "nor a file")  # fmt: skip
+        raise FileNotFoundError(
+            f"evaluation data {data!r}: neither a dataset spec (reasoning_gym:..., file:...) nor a file"
+        )
     return read_items(path)[:size]
 
 
 def evaluate(
-    engine: Engine, items: Sequence[Item], reward: RewardClient, *, k: int, params: SamplingParams,
+    engine: Engine,
+    items: Sequence[Item],
+    reward: RewardClient,
+    *,
+    k: int,
+    params: SamplingParams,
     chat_template: bool = True,
-) -> tuple[EvalReport, list[EvalSample]]:  # fmt: skip
+) -> tuple[EvalReport, list[EvalSample]]:
     """k samples per item from the engine's current weights, each scored by the reward server."""
     if not items:
         raise ValueError("no evaluation items")
@@ -106,9 +117,11 @@ def evaluate(
         chunk = items[start : start + PROMPTS_PER_CALL]
         prompts = [encode_prompt(engine.tokenizer, it.prompt, chat_template) for it in chunk]
         # each engine call gets its own seed, from the position of its first item in the whole list
-        chunk_params = params if params.seed is None else SamplingParams(
-            params.temperature, params.top_p, params.max_tokens, params.seed + 7919 * start
-        )  # fmt: skip
+        chunk_params = (
+            params
+            if params.seed is None
+            else SamplingParams(params.temperature, params.top_p, params.max_tokens, params.seed + 7919 * start)
+        )
         outs = engine.generate(prompts, k, chunk_params)
         samples += score_samples(chunk, outs, reward, params.max_tokens)
     if engine.version != version:
@@ -121,22 +134,31 @@ def score_samples(
 ) -> list[EvalSample]:
     """Every completion of every item scored by the reward server, in one request."""
     score_items = [
-        ScoreItem(id=f"{i}/{j}", response=c.text, ground_truth=it.ground_truth, verifier=it.verifier,
-                  response_tokens=len(c.token_ids), max_response_tokens=max_tokens)
-        for i, (it, o) in enumerate(zip(items, outs, strict=True)) for j, c in enumerate(o)
-    ]  # fmt: skip
+        ScoreItem(
+            id=f"{i}/{j}",
+            response=c.text,
+            ground_truth=it.ground_truth,
+            verifier=it.verifier,
+            response_tokens=len(c.token_ids),
+            max_response_tokens=max_tokens,
+        )
+        for i, (it, o) in enumerate(zip(items, outs, strict=True))
+        for j, c in enumerate(o)
+    ]
     results = iter(reward.score(score_items))
     samples = []
     for it, o in zip(items, outs, strict=True):
         for j, c in enumerate(o):
             r = next(results)
-            samples.append(EvalSample(it.prompt_id, j, c.text, len(c.token_ids), c.finish_reason, r.acc, r.score,
-                                      r.pred))  # fmt: skip
+            samples.append(
+                EvalSample(it.prompt_id, j, c.text, len(c.token_ids), c.finish_reason, r.acc, r.score, r.pred)
+            )
     return samples
 
 
-def summarize(items: Sequence[Item], samples: Sequence[EvalSample], k: int, version: int,
-              seconds: float = 0.0) -> EvalReport:  # fmt: skip
+def summarize(
+    items: Sequence[Item], samples: Sequence[EvalSample], k: int, version: int, seconds: float = 0.0
+) -> EvalReport:
     """avg@k and pass@j from scored samples (also what a test recomputes from re-scored samples)."""
     correct: dict[str, int] = defaultdict(int)
     seen: dict[str, int] = defaultdict(int)
@@ -151,11 +173,13 @@ def summarize(items: Sequence[Item], samples: Sequence[EvalSample], k: int, vers
         per_source[it.data_source].append(correct[it.prompt_id] / k)
     js = sorted({2**e for e in range(k.bit_length()) if 2**e <= k} | {k})
     return EvalReport(
-        version=version, k=k, n_prompts=len(items),
+        version=version,
+        k=k,
+        n_prompts=len(items),
         avg_at_k=sum(correct[i] for i in ids) / (k * len(ids)),
         pass_at={j: sum(pass_at(k, correct[i], j) for i in ids) / len(ids) for j in js},
         by_source={src: sum(v) / len(v) for src, v in sorted(per_source.items())},
         mean_response_tokens=sum(s.response_tokens for s in samples) / len(samples),
         truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples),
         seconds=seconds,
-    )  # fmt: skip
+    )

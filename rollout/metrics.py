@@ -16,39 +16,58 @@ class RolloutMetrics:
         self.batch_seconds = Histogram(
             "dapo_rollout_batch_seconds", "Engine call latency.", registry=r, buckets=buckets
         )
-        self.reward_seconds = Histogram("dapo_rollout_reward_seconds", "Scoring request latency.", registry=r,
-                                        buckets=buckets)  # fmt: skip
-        self.reward_failures = Counter("dapo_rollout_reward_failures", "Scoring attempts that found the reward "
-                                       "server down (the prompts are held and retried).", registry=r)  # fmt: skip
+        self.reward_seconds = Histogram(
+            "dapo_rollout_reward_seconds", "Scoring request latency.", registry=r, buckets=buckets
+        )
+        self.reward_failures = Counter(
+            "dapo_rollout_reward_failures",
+            "Scoring attempts that found the reward server down (the prompts are held and retried).",
+            registry=r,
+        )
         self.groups = Counter("dapo_rollout_groups_published", "Scored groups published.", registry=r)
         self.version = Gauge("dapo_rollout_weight_version", "Policy version of the weights held.", registry=r)
         self.sync_rounds = Counter("dapo_rollout_sync_rounds", "Weight broadcasts received and verified.", registry=r)
-        self.sync_failures = Counter("dapo_rollout_sync_failures", "Weight broadcasts or groups that failed.",
-                                     registry=r)  # fmt: skip
-        self.sync_rejected = Counter("dapo_rollout_sync_rejected", "Weight-sync manifests or rounds refused: a wrong "
-                                     "MAC, or a manifest that does not fit the model.", registry=r)  # fmt: skip
-        self.sync_receive_seconds = Histogram("dapo_rollout_sync_receive_seconds", "Seconds to receive a version.",
-                                              registry=r, buckets=buckets)  # fmt: skip
+        self.sync_failures = Counter(
+            "dapo_rollout_sync_failures", "Weight broadcasts or groups that failed.", registry=r
+        )
+        self.sync_rejected = Counter(
+            "dapo_rollout_sync_rejected",
+            "Weight-sync manifests or rounds refused: a wrong MAC, or a manifest that does not fit the model.",
+            registry=r,
+        )
+        self.sync_receive_seconds = Histogram(
+            "dapo_rollout_sync_receive_seconds", "Seconds to receive a version.", registry=r, buckets=buckets
+        )
         self.eval_avg = Gauge("dapo_eval_avg_at_k", "Held-out mean accuracy over k samples.", registry=r)
-        self.eval_pass = Gauge("dapo_eval_pass_at_k", "Held-out fraction of prompts with a correct sample.",
-                               registry=r)  # fmt: skip
+        self.eval_pass = Gauge("dapo_eval_pass_at_k", "Held-out fraction of prompts with a correct sample.", registry=r)
         self.eval_version = Gauge("dapo_eval_version", "Policy version of the last held-out evaluation.", registry=r)
         self.eval_seconds = Gauge("dapo_eval_seconds", "Wall time of the last held-out evaluation.", registry=r)
-        self.in_flight = Gauge("dapo_rollout_sequences_in_flight", "Sequences in the engine (streaming replica).",
-                               registry=r)  # fmt: skip
+        self.in_flight = Gauge(
+            "dapo_rollout_sequences_in_flight", "Sequences in the engine (streaming replica).", registry=r
+        )
         self.idle_seconds = Counter("dapo_rollout_idle_seconds", "Seconds with no sequence in the engine.", registry=r)
-        self.idle_fraction = Gauge("dapo_rollout_idle_fraction", "Share of the last minute with no sequence in the "
-                                   "engine.", registry=r)  # fmt: skip
-        self.weight_serve_seconds = Histogram("dapo_rollout_weight_serve_seconds", "Seconds from a version's "
-                                              "announcement (broadcast round, or snapshot written) to the engine "
-                                              "sampling with it.", registry=r, buckets=buckets)  # fmt: skip
+        self.idle_fraction = Gauge(
+            "dapo_rollout_idle_fraction", "Share of the last minute with no sequence in the engine.", registry=r
+        )
+        self.weight_serve_seconds = Histogram(
+            "dapo_rollout_weight_serve_seconds",
+            "Seconds from a version's "
+            "announcement (broadcast round, or snapshot written) to the engine "
+            "sampling with it.",
+            registry=r,
+            buckets=buckets,
+        )
         self.versions_per_sample = Histogram(
-            "dapo_rollout_versions_per_sample", "Policy versions that sampled one response's tokens.", registry=r,
+            "dapo_rollout_versions_per_sample",
+            "Policy versions that sampled one response's tokens.",
+            registry=r,
             buckets=(1, 2, 3, 4, 6, 8, 16),
-        )  # fmt: skip
+        )
         self.multi_version_samples = Counter(
-            "dapo_rollout_multi_version_samples", "Samples whose tokens span more than one policy version (weights "
-            "loaded in flight).", registry=r,
-        )  # fmt: skip
-        self.weight_load_seconds = Histogram("dapo_rollout_weight_load_seconds", "Seconds to load weights into the "
-                                             "engine.", registry=r, buckets=buckets)  # fmt: skip
+            "dapo_rollout_multi_version_samples",
+            "Samples whose tokens span more than one policy version (weights loaded in flight).",
+            registry=r,
+        )
+        self.weight_load_seconds = Histogram(
+            "dapo_rollout_weight_load_seconds", "Seconds to load weights into the engine.", registry=r, buckets=buckets
+        )

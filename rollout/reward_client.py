@@ -39,9 +39,11 @@ class RewardClient:
 
     def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
         call = retry(
-            retry=retry_if_exception(_retryable), stop=stop_after_attempt(self.retries + 1),
-            wait=wait_exponential_jitter(initial=0.2, max=5.0), reraise=True,
-        )(self._post)  # fmt: skip
+            retry=retry_if_exception(_retryable),
+            stop=stop_after_attempt(self.retries + 1),
+            wait=wait_exponential_jitter(initial=0.2, max=5.0),
+            reraise=True,
+        )(self._post)
         try:
             results = call(items)
         except (httpx.TransportError, httpx.HTTPStatusError) as e:
@@ -53,8 +55,11 @@ class RewardClient:
         return results
 
     def _post(self, items: list[ScoreItem]) -> list[ScoreResult]:
-        r = self.http.post("/v1/score", content=ScoreRequest(items=items).model_dump_json(),
-                           headers={"content-type": "application/json"})  # fmt: skip
+        r = self.http.post(
+            "/v1/score",
+            content=ScoreRequest(items=items).model_dump_json(),
+            headers={"content-type": "application/json"},
+        )
         if 400 <= r.status_code < 500 and r.status_code != 429:
             raise RewardRejected(r.status_code, r.text[:500])  # retrying the same request will not help
         r.raise_for_status()

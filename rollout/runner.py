@@ -38,14 +38,21 @@ def engine_placement(s: RolloutSettings) -> dict[str, Any]:
     return {"kv_cache_gib": s.vllm_kv_cache_gib, "eager": s.vllm_eager, "cpu_cores": s.cpu_cores}
 
 
-def make_worker(s: RolloutSettings, client: redis.Redis, engine: Engine, reward: RewardClient,
-                metrics: RolloutMetrics, receiver: WeightReceiver | None) -> Worker:  # fmt: skip
+def make_worker(
+    s: RolloutSettings,
+    client: redis.Redis,
+    engine: Engine,
+    reward: RewardClient,
+    metrics: RolloutMetrics,
+    receiver: WeightReceiver | None,
+) -> Worker:
     """vLLM: the streaming loop (continuous batching, in-flight weight updates); HF, or vLLM with --no-stream:
     engine calls of `prompts_per_call` prompts, weights between calls."""
     if isinstance(engine, VllmEngine) and s.stream:
         stream = StreamingEngine(engine, update=s.weight_update, seed=s.seed)
-        log.info("streaming replica: up to %d sequences in flight, weight updates: %s", s.max_in_flight,
-                 s.weight_update)  # fmt: skip
+        log.info(
+            "streaming replica: up to %d sequences in flight, weight updates: %s", s.max_in_flight, s.weight_update
+        )
         return StreamWorker(s, client, stream, reward, metrics, receiver)
     log.info("%s engine: %d prompts per engine call, weights loaded between calls", s.engine, s.prompts_per_call)
     return Worker(s, client, engine, reward, metrics, receiver)
@@ -53,8 +60,12 @@ def make_worker(s: RolloutSettings, client: redis.Redis, engine: Engine, reward:
 
 def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
     s = settings
-    reward = RewardClient(s.reward_url, token=s.reward_token.get_secret_value() if s.reward_token else None,
-                          timeout_s=s.reward_timeout_s, retries=s.reward_retries)  # fmt: skip
+    reward = RewardClient(
+        s.reward_url,
+        token=s.reward_token.get_secret_value() if s.reward_token else None,
+        timeout_s=s.reward_timeout_s,
+        retries=s.reward_retries,
+    )
     beat_stop = threading.Event()
     heartbeat: threading.Thread | None = None
     with ServiceProcess("rollout", s, loading="loading the engine") as proc:

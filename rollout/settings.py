@@ -31,14 +31,16 @@ class RolloutSettings(ServiceSettings, RedisSettings):
         64, ge=1, description="vLLM (streaming): sequences in the engine at most; prompts enter as room frees up."
     )
     weight_update: UpdateMode = Field(
-        "keep", description="vLLM (streaming): what a weight load does to the sequences in flight: keep (continue "
+        "keep",
+        description="vLLM (streaming): what a weight load does to the sequences in flight: keep (continue "
         "under the new weights, their K/V kept), recompute (re-encode their prefix first) or drain (stop admitting, "
-        "load when none is in flight)."
-    )  # fmt: skip
+        "load when none is in flight).",
+    )
     eval_mode: Literal["shared", "stop"] = Field(
-        "shared", description="vLLM (streaming): the held-out evaluation beside training's sequences (shared), or "
-        "after draining them, chunked and seeded: the numbers `dapo-mesh eval` gives (stop)."
-    )  # fmt: skip
+        "shared",
+        description="vLLM (streaming): the held-out evaluation beside training's sequences (shared), or "
+        "after draining them, chunked and seeded: the numbers `dapo-mesh eval` gives (stop).",
+    )
     eval_share: float = Field(
         0.25, gt=0, le=1, description="vLLM (streaming): the held-out evaluation's share of the sequences in flight."
     )

@@ -55,8 +55,15 @@ class _Evaluation:
 class StreamWorker(Worker):
     engine: StreamingEngine  # type: ignore[assignment]
 
-    def __init__(self, s: RolloutSettings, client: redis.Redis, engine: StreamingEngine, reward: RewardClient,
-                 metrics: RolloutMetrics, receiver: WeightReceiver | None = None):  # fmt: skip
+    def __init__(
+        self,
+        s: RolloutSettings,
+        client: redis.Redis,
+        engine: StreamingEngine,
+        reward: RewardClient,
+        metrics: RolloutMetrics,
+        receiver: WeightReceiver | None = None,
+    ):
         super().__init__(s, client, engine, reward, metrics, receiver)  # type: ignore[arg-type]
         self.flight: dict[str, tuple[Delivery[PromptTask], list[int]]] = {}  # engine key -> prompt, its tokens
         self.finished: list[tuple[Delivery[PromptTask], list[int], list[Completion]]] = []  # generated, unpublished
@@ -156,8 +163,7 @@ class StreamWorker(Worker):
         if not self.finished:
             return 0
         done, self.finished = self.finished, []
-        gen = Generated([d for d, _, _ in done], [p for _, p, _ in done], [o for _, _, o in done],
-                        self.engine.version)  # fmt: skip
+        gen = Generated([d for d, _, _ in done], [p for _, p, _ in done], [o for _, _, o in done], self.engine.version)
         return self.publish(gen)
 
     # ---------------------------------------------------------------- the held-out evaluation
@@ -189,8 +195,9 @@ class StreamWorker(Worker):
         while ev.submitted < len(ev.items) and self.engine.in_flight(EVAL_PRIORITY) + s.eval_k <= share:
             item = ev.items[ev.submitted]
             prompt = encode_prompt(self.engine.tokenizer, item.prompt, s.chat_template)
-            self.engine.submit(f"e/{ev.version}/{ev.submitted}", prompt, s.eval_k, self.eval_params(),
-                               priority=EVAL_PRIORITY)  # fmt: skip
+            self.engine.submit(
+                f"e/{ev.version}/{ev.submitted}", prompt, s.eval_k, self.eval_params(), priority=EVAL_PRIORITY
+            )
             ev.submitted += 1
         if len(ev.outs) == len(ev.items) and time.monotonic() >= ev.retry_at:
             self._report(ev)

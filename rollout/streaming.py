@@ -108,8 +108,15 @@ class StreamingEngine:
 
         if key in self.groups:
             raise ValueError(f"{key!r} is in flight already")
-        sampling = VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
-                       logprobs=0, output_kind=RequestOutputKind.DELTA, ignore_eos=params.ignore_eos)  # fmt: skip
+        sampling = VSP(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+            ignore_eos=params.ignore_eos,
+        )
         from vllm.exceptions import VLLMClientError
 
         request = TokensPrompt(prompt_token_ids=prompt, cache_salt=f"v{self.version}")
@@ -174,8 +181,13 @@ class StreamingEngine:
         t0 = time.perf_counter()
         load()  # keep: the running requests stay; recompute: they are preempted and re-encoded (vllm_engine.py)
         self.loads += 1
-        log.debug("version %d loaded with %d sequences in flight (%s) in %.2f s", self.version, len(self.seqs),
-                  self.update, time.perf_counter() - t0)  # fmt: skip
+        log.debug(
+            "version %d loaded with %d sequences in flight (%s) in %.2f s",
+            self.version,
+            len(self.seqs),
+            self.update,
+            time.perf_counter() - t0,
+        )
 
     # ------------------------------------------------------------------ the Engine protocol (warm-up, tests)
 

@@ -48,9 +48,15 @@ class VllmEngine:
         # processed: the log-probs of the distribution sampled from (after the temperature), as the learner
         # recomputes them with the temperature each Sample carries; greedy requests get the model's own
         self.llm = LLM(
-            model=str(model_dir), dtype="bfloat16" if dtype == "bf16" else "float32", enforce_eager=eager, seed=0,
-            max_logprobs=1, enable_prefix_caching=True, logprobs_mode="processed_logprobs", **kwargs,
-        )  # fmt: skip
+            model=str(model_dir),
+            dtype="bfloat16" if dtype == "bf16" else "float32",
+            enforce_eager=eager,
+            seed=0,
+            max_logprobs=1,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            **kwargs,
+        )
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
 
@@ -64,8 +70,9 @@ class VllmEngine:
         for i, (prompt, k) in enumerate(zip(prompts, counts(prompts, n), strict=True)):
             requests += [TokensPrompt(prompt_token_ids=prompt)] * k
             owners += [i] * k
-        sampling = VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
-                       logprobs=0)  # fmt: skip
+        sampling = VSP(
+            n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, logprobs=0
+        )
         if params.seed is None:
             outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         else:

@@ -161,8 +161,9 @@ class WeightReceiver:
         pg = make_group(dist.PrefixStore("pg/", store), roster.index(rid) + 1, len(roster) + 1, timeout, self.device)
         store.set(f"connected/{rid}", b"1")
         self.state = "member"
-        log.info("weight sync: joined generation %d as rank %d of %d", ann.generation, roster.index(rid) + 1,
-                 len(roster) + 1)  # fmt: skip
+        log.info(
+            "weight sync: joined generation %d as rank %d of %d", ann.generation, roster.index(rid) + 1, len(roster) + 1
+        )
         try:
             n = 0
             while True:  # rounds come once per learner step: wait as long as the generation lives
@@ -232,8 +233,12 @@ class WeightReceiver:
         self.m.sync_receive_seconds.observe(seconds)
         if ack["ok"]:
             self.m.sync_rounds.inc()
-            log.info("weight sync: received version %d (%.1f MB) in %.2f s", version,
-                     self.buckets.manifest.nbytes / 1e6, seconds)  # fmt: skip
+            log.info(
+                "weight sync: received version %d (%.1f MB) in %.2f s",
+                version,
+                self.buckets.manifest.nbytes / 1e6,
+                seconds,
+            )
         else:
             self.m.sync_failures.inc()
             log.warning("weight sync: version %d rejected: %s", version, ack["error"])

@@ -55,14 +55,28 @@ REWARD_BACKOFF_S, REWARD_BACKOFF_MAX_S = 1.0, 30.0  # between scoring attempts w
 
 
 class Worker:
-    def __init__(self, s: RolloutSettings, client: redis.Redis, engine: Engine, reward: RewardClient,
-                 metrics: RolloutMetrics, receiver: WeightReceiver | None = None):  # fmt: skip
+    def __init__(
+        self,
+        s: RolloutSettings,
+        client: redis.Redis,
+        engine: Engine,
+        reward: RewardClient,
+        metrics: RolloutMetrics,
+        receiver: WeightReceiver | None = None,
+    ):
         self.s, self.client, self.engine, self.reward, self.m = s, client, engine, reward, metrics
         self.receiver = receiver
         self.checksum: int | None = None  # of the broadcast weights the engine holds (None: from a snapshot)
         self.incarnation = receiver.incarnation if receiver is not None else uuid.uuid4().hex[:12]
-        self.consumer = StreamConsumer(client, STREAM_PROMPTS, GROUP_ROLLOUT, s.replica_id, PromptTask,
-                                       claim_idle_ms=s.claim_idle_ms, registry=metrics.registry)  # fmt: skip
+        self.consumer = StreamConsumer(
+            client,
+            STREAM_PROMPTS,
+            GROUP_ROLLOUT,
+            s.replica_id,
+            PromptTask,
+            claim_idle_ms=s.claim_idle_ms,
+            registry=metrics.registry,
+        )
         self.params = SamplingParams(s.temperature, s.top_p, s.max_response_tokens, s.seed)
         self.state = "starting"
         self.tokens_per_s = 0.0
@@ -76,10 +90,17 @@ class Worker:
     # ---------------------------------------------------------------- membership
 
     def heartbeat(self) -> None:
-        hb = ReplicaHeartbeat(replica_id=self.s.replica_id, host=self.s.host, port=self.s.port,
-                              weight_version=self.engine.version, tokens_per_s=self.tokens_per_s,
-                              state=self.state, weight_checksum=self.checksum,
-                              sync_broadcast=self.receiver is not None, incarnation=self.incarnation)  # type: ignore[arg-type]  # fmt: skip
+        hb = ReplicaHeartbeat(
+            replica_id=self.s.replica_id,
+            host=self.s.host,
+            port=self.s.port,
+            weight_version=self.engine.version,
+            tokens_per_s=self.tokens_per_s,
+            state=self.state,
+            weight_checksum=self.checksum,
+            sync_broadcast=self.receiver is not None,
+            incarnation=self.incarnation,
+        )  # type: ignore[arg-type]
         self.client.set(REPLICA_KEY_PREFIX + self.s.replica_id, pack(hb), px=int(self.s.heartbeat_ttl_s * 1000))
 
     def heartbeat_forever(self, stop: threading.Event) -> None:
@@ -150,8 +171,14 @@ class Worker:
             items = self.held_out()
             if items is None:
                 return None
-            report, _ = evaluate(engine or self.engine, items, self.reward, k=s.eval_k, params=self.eval_params(),
-                                 chat_template=s.chat_template)  # fmt: skip
+            report, _ = evaluate(
+                engine or self.engine,
+                items,
+                self.reward,
+                k=s.eval_k,
+                params=self.eval_params(),
+                chat_template=s.chat_template,
+            )
         except (FileNotFoundError, RewardUnavailable, RewardRejected) as e:  # no eval.jsonl yet; reward down
             log.warning("held-out evaluation of version %d postponed: %s", version, e)
             return None
@@ -174,18 +201,34 @@ class Worker:
     def publish_eval(self, report: EvalReport, runs: list[tuple[int, int]] | None = None) -> EvalResult:
         """`runs`: the (version, tokens) runs of every sample, from a streaming replica (weights moved meanwhile)."""
         s, version = self.s, report.version
-        result = EvalResult(version=version, replica_id=s.replica_id, k=report.k, n_prompts=report.n_prompts,
-                            avg_at_k=report.avg_at_k, pass_at_k=report.pass_at_k,
-                            mean_response_tokens=report.mean_response_tokens, truncated_frac=report.truncated_frac,
-                            seconds=report.seconds, **token_versions(version, runs))  # fmt: skip
+        result = EvalResult(
+            version=version,
+            replica_id=s.replica_id,
+            k=report.k,
+            n_prompts=report.n_prompts,
+            avg_at_k=report.avg_at_k,
+            pass_at_k=report.pass_at_k,
+            mean_response_tokens=report.mean_response_tokens,
+            truncated_frac=report.truncated_frac,
+            seconds=report.seconds,
+            **token_versions(version, runs),
+        )
         self.eval_out.publish(result)
         self.next_eval = (version // s.eval_every + 1) * s.eval_every if s.eval_every else sys.maxsize
         self.m.eval_avg.set(report.avg_at_k)
         self.m.eval_pass.set(report.pass_at_k)
         self.m.eval_version.set(version)
         self.m.eval_seconds.set(report.seconds)
-        log.info("held-out eval of version %d: avg@%d %.3f, pass@%d %.3f (%d prompts, %.1f s)", version, report.k,
-                 report.avg_at_k, report.k, report.pass_at_k, report.n_prompts, report.seconds)  # fmt: skip
+        log.info(
+            "held-out eval of version %d: avg@%d %.3f, pass@%d %.3f (%d prompts, %.1f s)",
+            version,
+            report.k,
+            report.avg_at_k,
+            report.k,
+            report.pass_at_k,
+            report.n_prompts,
+            report.seconds,
+        )
         return result
 
     def step(self) -> int:
@@ -269,18 +312,34 @@ class Worker:
         """One request to the reward server for every sample; raises RewardUnavailable / RewardRejected."""
         tasks = [d.message for d in gen.deliveries]
         items = [
-            ScoreItem(id=f"{i}/{j}", response=c.text, ground_truth=t.ground_truth, verifier=t.verifier,
-                      response_tokens=len(c.token_ids), max_response_tokens=self.s.max_response_tokens)
-            for i, (t, o) in enumerate(zip(tasks, gen.outs, strict=True)) for j, c in enumerate(o)
-        ]  # fmt: skip
+            ScoreItem(
+                id=f"{i}/{j}",
+                response=c.text,
+                ground_truth=t.ground_truth,
+                verifier=t.verifier,
+                response_tokens=len(c.token_ids),
+                max_response_tokens=self.s.max_response_tokens,
+            )
+            for i, (t, o) in enumerate(zip(tasks, gen.outs, strict=True))
+            for j, c in enumerate(o)
+        ]
         t0 = time.perf_counter()
         results = iter(self.reward.score(items))
         self.m.reward_seconds.observe(time.perf_counter() - t0)
         groups = []
         for task, prompt, o in zip(tasks, gen.prompts, gen.outs, strict=True):
-            samples = [Sample(response_token_ids=c.token_ids, response_text=c.text, logprobs=c.logprobs,
-                              finish_reason=c.finish_reason, temperature=self.params.temperature,
-                              top_p=self.params.top_p, **versions(c, gen.version)) for c in o]  # fmt: skip
+            samples = [
+                Sample(
+                    response_token_ids=c.token_ids,
+                    response_text=c.text,
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                    temperature=self.params.temperature,
+                    top_p=self.params.top_p,
+                    **versions(c, gen.version),
+                )
+                for c in o
+            ]
             scores = []
             for _ in o:
                 r = next(results)
@@ -295,8 +354,11 @@ def token_versions(version: int, runs: list[tuple[int, int]] | None) -> dict[str
     total = sum(n for _, n in runs or [])
     if not runs or not total:
         return {}
-    return {"mean_token_version": sum(v * n for v, n in runs) / total, "newest_version": max(v for v, _ in runs),
-            "later_token_frac": sum(n for v, n in runs if v > version) / total}  # fmt: skip
+    return {
+        "mean_token_version": sum(v * n for v, n in runs) / total,
+        "newest_version": max(v for v, _ in runs),
+        "later_token_frac": sum(n for v, n in runs if v > version) / total,
+    }
 
 
 def versions(c: Completion, version: int) -> dict[str, Any]:

@@ -96,8 +96,9 @@ class Source:
 class _RGItems(Sequence[Item]):
     """A lazy view of a weighted mix of reasoning-gym datasets (items made on access)."""
 
-    def __init__(self, tasks: dict[str, float], size: int, seed: int, config: dict[str, dict[str, Any]],
-                 template: Template):  # fmt: skip
+    def __init__(
+        self, tasks: dict[str, float], size: int, seed: int, config: dict[str, dict[str, Any]], template: Template
+    ):
         import reasoning_gym
 
         self.size, self.seed, self.template = size, seed, template
@@ -121,8 +122,13 @@ class _RGItems(Sequence[Item]):
         task = self._task(i)
         entry = self.datasets[task][i]
         ground_truth = json.dumps({"answer": entry["answer"], "metadata": entry.get("metadata", {})}, default=str)
-        return Item(f"rg/{task}/{self.seed}/{i}", apply_template(entry["question"], self.template), ground_truth,
-                    f"reasoning_gym:{task}", f"reasoning_gym/{task}")  # fmt: skip
+        return Item(
+            f"rg/{task}/{self.seed}/{i}",
+            apply_template(entry["question"], self.template),
+            ground_truth,
+            f"reasoning_gym:{task}",
+            f"reasoning_gym/{task}",
+        )
 
     def question(self, i: int) -> str:
         return str(self.datasets[self._task(i)][i]["question"])
@@ -141,8 +147,15 @@ def parse_tasks(spec: str) -> dict[str, float]:
     return out
 
 
-def reasoning_gym_source(tasks: dict[str, float], *, size: int, seed: int, eval_size: int,
-                         config: dict[str, dict[str, Any]], template: Template) -> Source:  # fmt: skip
+def reasoning_gym_source(
+    tasks: dict[str, float],
+    *,
+    size: int,
+    seed: int,
+    eval_size: int,
+    config: dict[str, dict[str, Any]],
+    template: Template,
+) -> Source:
     from reasoning_gym.factory import DATASETS
 
     unknown = sorted(set(tasks) - set(DATASETS))
@@ -176,8 +189,13 @@ def _verl_row(i: int, row: dict[str, Any], path: Path, template: Template, verif
         raise ValueError(f"{path} row {i}: no reward_model.ground_truth")
     source = str(row.get("data_source", path.stem))
     ident = (row.get("extra_info") or {}).get("index", i)
-    return Item(f"file/{path.name}/{ident}", apply_template(text, template), str(rm["ground_truth"]),
-                verifier or "dapo_math", source)  # fmt: skip
+    return Item(
+        f"file/{path.name}/{ident}",
+        apply_template(text, template),
+        str(rm["ground_truth"]),
+        verifier or "dapo_math",
+        source,
+    )
 
 
 def file_source(path: Path, *, eval_size: int, seed: int, template: Template, verifier: str | None) -> Source:
@@ -197,13 +215,21 @@ def file_source(path: Path, *, eval_size: int, seed: int, template: Template, ve
     return Source(f"file:{path}", [it for i, it in enumerate(items) if i not in held], [items[i] for i in sorted(held)])
 
 
-def load_source(spec: str, *, size: int = 10_000, seed: int = 42, eval_size: int = 200,
-                config: dict[str, dict[str, Any]] | None = None, template: Template = "short",
-                file_verifier: str | None = None) -> Source:  # fmt: skip
+def load_source(
+    spec: str,
+    *,
+    size: int = 10_000,
+    seed: int = 42,
+    eval_size: int = 200,
+    config: dict[str, dict[str, Any]] | None = None,
+    template: Template = "short",
+    file_verifier: str | None = None,
+) -> Source:
     if spec.startswith("reasoning_gym:"):
         tasks = parse_tasks(spec[len("reasoning_gym:") :])
-        return reasoning_gym_source(tasks, size=size, seed=seed, eval_size=eval_size, config=config or {},
-                                    template=template)  # fmt: skip
+        return reasoning_gym_source(
+            tasks, size=size, seed=seed, eval_size=eval_size, config=config or {}, template=template
+        )
     if spec.startswith("file:"):
         path = Path(spec[len("file:") :])
         if not path.is_file():

@@ -77,9 +77,10 @@ class Sample(Message):
     temperature: FiniteFloat = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy; logprobs at 1).")
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of this sample.")
     version_runs: list[tuple[int, int]] | None = Field(
-        None, description="The version that sampled each token, as run-lengths [[version, tokens], ...] in token "
-        "order, versions increasing, the first = policy_version; None: every token by policy_version."
-    )  # fmt: skip
+        None,
+        description="The version that sampled each token, as run-lengths [[version, tokens], ...] in token "
+        "order, versions increasing, the first = policy_version; None: every token by policy_version.",
+    )
 
     @property
     def truncated(self) -> bool:
@@ -113,12 +114,15 @@ class Sample(Message):
             return self
         versions = [v for v, _ in runs]
         if sum(n for _, n in runs) != len(self.response_token_ids) or any(n < 1 for _, n in runs):
-            raise ValueError(f"version_runs: {runs} do not cover the {len(self.response_token_ids)} response tokens "
-                             "with runs of at least one token")  # fmt: skip
+            raise ValueError(
+                f"version_runs: {runs} do not cover the {len(self.response_token_ids)} response tokens "
+                "with runs of at least one token"
+            )
         rising = all(b > a for a, b in itertools.pairwise(versions))
         if versions and (versions[0] != self.policy_version or not rising):
-            raise ValueError(f"version_runs: versions {versions} must increase from policy_version "
-                             f"{self.policy_version}")  # fmt: skip
+            raise ValueError(
+                f"version_runs: versions {versions} must increase from policy_version {self.policy_version}"
+            )
         return self
 
 
@@ -288,9 +292,11 @@ class EvalResult(Message):
         None, ge=0.0, description="The mean policy version over its sampled tokens (None: all by `version`)."
     )
     newest_version: int | None = Field(
-        None, ge=0, description="A streaming replica evaluates beside training and loads weights meanwhile: the "
-        "newest version that sampled any of its tokens (None: all by `version`)."
-    )  # fmt: skip
+        None,
+        ge=0,
+        description="A streaming replica evaluates beside training and loads weights meanwhile: the "
+        "newest version that sampled any of its tokens (None: all by `version`).",
+    )
     later_token_frac: FiniteFloat = Field(
         0.0, ge=0.0, le=1.0, description="Share of its tokens sampled by versions newer than `version`."
     )
@@ -340,10 +346,11 @@ class ScoreItem(BaseModel):
     response: str = Field(description="The model's response text.")
     ground_truth: str = Field(description="Reference answer (for reasoning_gym: the entry as JSON).")
     verifier: str = Field(
-        max_length=128, description="dapo_math | math_verify | reasoning_gym:<task>",
+        max_length=128,
+        description="dapo_math | math_verify | reasoning_gym:<task>",
         # in the OpenAPI schema (clients, fuzzers); checked by the server with a message naming the choices
         json_schema_extra={"pattern": r"^(dapo_math|math_verify|reasoning_gym:[a-z0-9_]+)$"},
-    )  # fmt: skip
+    )
     response_tokens: int | None = Field(None, ge=0, description="Response length; enables overlong shaping.")
     max_response_tokens: int | None = Field(None, ge=1, description="L_max for this item (default: settings).")
 

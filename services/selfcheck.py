@@ -63,18 +63,48 @@ def example_messages() -> list[Message]:
         groups[0].samples[0],
         groups[0].scores[0],
         groups[0],
-        DroppedGroup(task_id="t0", prompt_id="p0", reason="all_correct", replica_id="rollout-0", min_version=0,
-                     at_version=1),
+        DroppedGroup(
+            task_id="t0", prompt_id="p0", reason="all_correct", replica_id="rollout-0", min_version=0, at_version=1
+        ),
         TrainBatch.assemble(0, groups),
-        WeightVersion(version=1, step=1, batch_id=0, checkpoint_dir="/tmp/ckpt/v1", checksum=12345,
-                      replicas=["rollout-0"], sync_seconds=0.2),
-        ReplicaHeartbeat(replica_id="rollout-0", host="127.0.0.1", port=8002, weight_version=1, state="ready",
-                         weight_checksum=12345, sync_broadcast=True),
-        SyncGroup(generation=1, host="127.0.0.1", port=29600, candidates=["rollout-0"], timeout_s=60.0,
-                  incarnations=["3f2a9c0d1e7b"]),
-        EvalResult(version=9, replica_id="rollout-0", k=4, n_prompts=100, avg_at_k=0.2875, pass_at_k=0.54,
-                   mean_response_tokens=24.1, truncated_frac=0.0, seconds=62.8),
-    ]  # fmt: skip
+        WeightVersion(
+            version=1,
+            step=1,
+            batch_id=0,
+            checkpoint_dir="/tmp/ckpt/v1",
+            checksum=12345,
+            replicas=["rollout-0"],
+            sync_seconds=0.2,
+        ),
+        ReplicaHeartbeat(
+            replica_id="rollout-0",
+            host="127.0.0.1",
+            port=8002,
+            weight_version=1,
+            state="ready",
+            weight_checksum=12345,
+            sync_broadcast=True,
+        ),
+        SyncGroup(
+            generation=1,
+            host="127.0.0.1",
+            port=29600,
+            candidates=["rollout-0"],
+            timeout_s=60.0,
+            incarnations=["3f2a9c0d1e7b"],
+        ),
+        EvalResult(
+            version=9,
+            replica_id="rollout-0",
+            k=4,
+            n_prompts=100,
+            avg_at_k=0.2875,
+            pass_at_k=0.54,
+            mean_response_tokens=24.1,
+            truncated_frac=0.0,
+            seconds=62.8,
+        ),
+    ]
 
 
 def transport_selfcheck(redis_url: str) -> dict[str, bool]:

@@ -103,8 +103,15 @@ class Redriven:
     new_id: str | None  # None in a dry run
 
 
-def redrive(client: redis.Redis, *, stream: str | None = None, kind: str | None = None, match: str | None = None,
-            dry_run: bool = False, limit: int = 10_000) -> list[Redriven]:  # fmt: skip
+def redrive(
+    client: redis.Redis,
+    *,
+    stream: str | None = None,
+    kind: str | None = None,
+    match: str | None = None,
+    dry_run: bool = False,
+    limit: int = 10_000,
+) -> list[Redriven]:
     """Dead letters back to the stream they came from, as new entries with their original fields; each moved in
     one server-side step (added there, deleted here). Filters: the original `stream`, the dead-letter `kind`
     (max_deliveries, reward_rejected, invalid, ...), text the `reason` contains. Oldest first."""

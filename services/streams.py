@@ -192,9 +192,11 @@ def connect_from(settings: RedisSettings) -> redis.Redis:
     """The client a service's settings describe (URL, password, timeout, retries)."""
     password = settings.redis_password.get_secret_value() if settings.redis_password else None
     return connect(
-        settings.require_redis_url(), password=password, timeout_s=settings.redis_timeout_s,
+        settings.require_redis_url(),
+        password=password,
+        timeout_s=settings.redis_timeout_s,
         retries=settings.redis_retries,
-    )  # fmt: skip
+    )
 
 
 def _where(client: redis.Redis) -> str:
@@ -356,8 +358,9 @@ class StreamConsumer(Generic[M]):
     def _reclaim(self, count: int) -> list[Delivery[M]]:
         """Idle pending entries that are not held here: another consumer's, or ours but released."""
         scan = max(count, RECLAIM_SCAN)
-        pend = self.client.xpending_range(self.stream, self.group, min=self._claim_cursor, max="+", count=scan,
-                                          idle=self.claim_idle_ms)  # fmt: skip
+        pend = self.client.xpending_range(
+            self.stream, self.group, min=self._claim_cursor, max="+", count=scan, idle=self.claim_idle_ms
+        )
         ids = [i for p in pend if (i := as_str(p["message_id"])) not in self.held][:count]
         if len(pend) < scan:  # a full pass: wait before scanning the pending list again
             self._claim_cursor = "-"
@@ -467,8 +470,12 @@ class StreamConsumer(Generic[M]):
         for _, _, kind, _ in dead:
             self._metrics.dead.labels(self.stream, self.group, kind).inc()
 
-    def _forward(self, outputs: list[tuple[str, dict[bytes, bytes]]], ack_ids: list[str],
-                 record: tuple[str, list[str]] | None = None) -> list[str]:  # fmt: skip
+    def _forward(
+        self,
+        outputs: list[tuple[str, dict[bytes, bytes]]],
+        ack_ids: list[str],
+        record: tuple[str, list[str]] | None = None,
+    ) -> list[str]:
         keys = [stream for stream, _ in outputs] + [self.stream] + ([record[0]] if record else [])
         members = record[1] if record else []
         args: list[bytes | str | int] = [self.group, len(outputs), len(members)]
@@ -494,8 +501,13 @@ class StreamConsumer(Generic[M]):
         self.held.difference_update(entry_ids)
         self._metrics.acked.labels(self.stream, self.group).inc(len(entry_ids))
 
-    def ack_and_publish(self, entry_ids: Iterable[str], outputs: Iterable[tuple[str, Message]], *,
-                        record: tuple[str, list[str]] | None = None) -> list[str]:  # fmt: skip
+    def ack_and_publish(
+        self,
+        entry_ids: Iterable[str],
+        outputs: Iterable[tuple[str, Message]],
+        *,
+        record: tuple[str, list[str]] | None = None,
+    ) -> list[str]:
         """Publish `outputs` (stream, message), then acknowledge `entry_ids`, in one server-side step; with
         `record` = (set key, members), add the members to that set in the same step.
 

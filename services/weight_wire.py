@@ -273,8 +273,9 @@ def store_server(host: str, port: int, timeout_s: float) -> Any:
     sock.listen(128)
     port = sock.getsockname()[1]
     try:
-        store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
-                              master_listen_fd=sock.fileno())  # fmt: skip
+        store = dist.TCPStore(
+            host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False, master_listen_fd=sock.fileno()
+        )
     except BaseException:
         sock.close()
         raise
@@ -290,9 +291,14 @@ def store_client(host: str, port: int, timeout_s: float, connect_s: float = 10.0
 
 
 def wait_keys(
-    store: Any, keys: Sequence[str], timeout_s: float, *, cancelled: Callable[[], bool] = lambda: False,
-    slice_s: float = 1.0, poll_s: float | None = None,
-) -> None:  # fmt: skip
+    store: Any,
+    keys: Sequence[str],
+    timeout_s: float,
+    *,
+    cancelled: Callable[[], bool] = lambda: False,
+    slice_s: float = 1.0,
+    poll_s: float | None = None,
+) -> None:
     """Block until every key exists: the store answers when they do (no polling). The wait runs in
     slices so that `cancelled()` is seen within `slice_s`. Raises SyncTimeout at the deadline, SyncAborted
     when cancelled, and torch's DistNetworkError when the store's server has gone away.
