@@ -35,7 +35,7 @@ def mesh_run(run_dir: Path, staleness: int, steps: int) -> tuple[float, float]:
 
     cfg = MeshConfig(run_dir=run_dir, steps=steps, tiny=True, engine="vllm", n_samples=G, batch_size=B,
                      max_response_tokens=MAX_TOKENS, minibatches=1, lr=1e-4, max_restarts=0,
-                     extra={"buffer": ["--no-dynamic-sampling", "--max-staleness", str(staleness)]})  # fmt: skip
+                     max_staleness=staleness, buffer={"dynamic_sampling": False})  # fmt: skip
     mesh = Mesh(cfg, say=lambda _: None)
     try:
         mesh.start()

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mesh.commands import MODULES
+from mesh.config import MeshConfig
 
 app = typer.Typer(help="DAPO as an asynchronous actor-learner service mesh.", no_args_is_help=True)
 console = Console()
@@ -376,72 +377,69 @@ def curves(run_dir: Annotated[Path, typer.Option(help="The run directory.")] = R
     console.print(f"curves in {out}")
 
 
+def _field(name: str) -> str:
+    """The help of a `dapo-mesh up` option: its MeshConfig field's description (one place for both)."""
+    from mesh.config import MeshConfig
+
+    return MeshConfig.model_fields[name].description or name
+
+
+def _mesh_option(name: str) -> Any:
+    return typer.Option(help=_field(name) + " Default: the preset's.")
+
+
 @app.command()
 def up(
     redis_url: RedisUrl = None,
     run_dir: Annotated[Path, typer.Option(help="Run directory (Redis AOF, models, logs, checkpoints).")] = RUN_DIR,
-    steps: Annotated[
-        int | None, typer.Option(help="Learner batches to train (default: the preset's; 3 with --tiny).")
-    ] = None,
-    tiny: Annotated[bool, typer.Option(help="A random tiny Llama and a few steps: a smoke test.")] = False,
-    replicas: Annotated[int, typer.Option(help="Rollout replicas.")] = 1,
-    engine: Annotated[str, typer.Option(help="Rollout engine: vllm or hf.")] = "vllm",
-    check: Annotated[bool, typer.Option(help="Only prepare the model and check Redis and the transport.")] = False,
-    linger_s: Annotated[float, typer.Option(help="Keep the mesh up this long after the last step.")] = 0.0,
-    transport: Annotated[str, typer.Option(help="Weights to replicas: broadcast (gloo/NCCL) or filesystem.")] = (
-        "broadcast"
-    ),
     config: Annotated[
         Path | None,
         typer.Option(help="A preset: configs/grpo.toml, configs/ablations/*.toml; default: configs/dapo.toml."),
     ] = None,
-    eval_every: Annotated[
-        int | None, typer.Option(help="Held-out avg@k at version 0 and every n versions (0: off; default: preset).")
+    tiny: Annotated[
+        bool, typer.Option(help="A random tiny Llama and a few steps: a smoke test (with --config: its sections).")
+    ] = False,
+    check: Annotated[bool, typer.Option(help="Only prepare the model and check Redis and the transport.")] = False,
+    steps: Annotated[int | None, _mesh_option("steps")] = None,
+    replicas: Annotated[int | None, _mesh_option("replicas")] = None,
+    engine: Annotated[str | None, _mesh_option("engine")] = None,
+    transport: Annotated[str | None, _mesh_option("transport")] = None,
+    eval_every: Annotated[int | None, _mesh_option("eval_every")] = None,
+    seed: Annotated[int | None, _mesh_option("seed")] = None,
+    dtype: Annotated[str | None, _mesh_option("dtype")] = None,
+    placement: Annotated[str | None, _mesh_option("placement")] = None,
+    learner_ranks: Annotated[int | None, _mesh_option("learner_ranks")] = None,
+    linger_s: Annotated[float | None, _mesh_option("linger_s")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Any setting, as SECTION.FIELD=VALUE (a TOML value): --set learner.clip_high=0.3, "
+            "--set mesh.eval_size=50. Repeatable; wins over the preset and the options above.",
+        ),
     ] = None,
-    seed: Annotated[
-        int | None, typer.Option(help="Seed the sampling, shuffles and dispatch (repeatable runs).")
-    ] = None,
-    dtype: Annotated[
-        str | None, typer.Option(help="auto (bf16 where the hardware has it), bf16 or fp32 (default: preset's).")
-    ] = None,
-    placement: Annotated[
-        str | None, typer.Option(help="split (learner and replicas on their own cores) or shared (default: split).")
-    ] = None,
-    learner_ranks: Annotated[int, typer.Option(help="Data-parallel learner processes (torchrun).")] = 1,
 ) -> None:
     """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
-    from pydantic import ValidationError
-
-    from mesh.config import DEFAULT_PRESET, MeshConfig, PresetError, describe
+    from mesh.config import PresetError
     from mesh.up import Mesh
 
     if check:
         _check(redis_url, run_dir)
         return
-    given = {
+    given: dict[str, Any] = {
         "redis_url": redis_url,
+        "steps": steps,
         "replicas": replicas,
-        "linger_s": linger_s,
+        "engine": engine,
         "transport": transport,
-        "learner_ranks": learner_ranks,
     }
-    given |= {"steps": steps} if steps else {}
-    given |= {} if eval_every is None else {"eval_every": eval_every}
-    given |= {} if tiny else {"engine": engine}  # --tiny: the HF engine
-    given |= {} if seed is None else {"seed": seed}
-    given |= {k: v for k, v in (("dtype", dtype), ("placement", placement)) if v is not None}
+    given |= {"eval_every": eval_every, "seed": seed, "dtype": dtype, "placement": placement}
+    given |= {"learner_ranks": learner_ranks, "linger_s": linger_s}
     try:
-        preset = (
-            MeshConfig.tiny_preset(run_dir, steps=steps or 3)
-            if tiny
-            else MeshConfig.from_preset(config or DEFAULT_PRESET, run_dir=run_dir)
-        )
-    except PresetError as e:
-        raise typer.BadParameter(str(e), param_hint="--config") from None
-    try:
-        cfg = MeshConfig.model_validate(preset.model_dump() | given)
-    except ValidationError as e:
-        raise typer.BadParameter(describe(e)) from None
+        cfg = mesh_config(run_dir, config, tiny, {k: v for k, v in given.items() if v is not None}, set_ or [])
+    except PresetError as e:  # plain text, not a box: the message names the section and field, keep it whole
+        Console(stderr=True).print(f"invalid mesh config: {e}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
     mesh = Mesh(cfg, say=console.print, console=console if console.is_terminal else None)
     code = 1
     try:
@@ -456,6 +454,54 @@ def up(
     finally:
         mesh.stop()
     raise typer.Exit(code)
+
+
+def mesh_config(run_dir: Path, config: Path | None, tiny: bool, given: dict[str, Any], sets: list[str]) -> MeshConfig:
+    """`up`'s config: the preset (or the tiny mesh, with the preset's service sections if --config names one),
+    the options given, then every --set; validated once, as a whole. Nothing given is dropped without a word: a
+    preset value the tiny mesh must change is said."""
+    from mesh.config import DEFAULT_PRESET, SERVICES, TINY_NEEDS, load_preset
+
+    if tiny:
+        preset = load_preset(config) if config else None
+        sections = preset.services if preset else {}
+        for (name, key), value in TINY_NEEDS.items():
+            if key in sections.get(name, {}) and sections[name][key] != value:
+                say = f"--tiny: [{name}] {key} = {value!r}, not the preset's {sections[name][key]!r}"
+                console.print(say, markup=False)
+        base = MeshConfig.tiny_preset(run_dir, steps=given.pop("steps", 3), sections=sections)
+        data = base.model_dump(exclude_unset=True, exclude=set[str](SERVICES)) | {n: base.section(n) for n in SERVICES}
+        if preset is not None:  # the task goes with its verifier and dataset config; the scale stays tiny
+            data |= {"dataset": preset.mesh["dataset"]} if "dataset" in preset.mesh else {}
+            console.print(f"--tiny: {config}'s dataset and service sections, at the tiny mesh's scale", markup=False)
+    else:
+        preset = load_preset(config or DEFAULT_PRESET)
+        data = preset.data | {"run_dir": run_dir}
+    data |= given
+    for item in sets:
+        section, key, value = _parse_set(item)
+        target = data if section == "mesh" else data.setdefault(section, {})
+        target[key] = value
+    return MeshConfig.validated(data, where=str(config or ("" if tiny else DEFAULT_PRESET)))
+
+
+def _parse_set(item: str) -> tuple[str, str, Any]:
+    """ "learner.clip_high=0.3" -> ("learner", "clip_high", 0.3): the value is read as TOML, else as a string."""
+    import tomllib
+
+    from mesh.config import SERVICES, PresetError
+
+    name, sep, raw = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or section not in ("mesh", *SERVICES):
+        raise PresetError(
+            f"--set {item!r}: write SECTION.FIELD=VALUE with SECTION one of mesh, reward, buffer, learner, rollout"
+        )
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, key.strip(), value
 
 
 def _check(redis_url: str | None, run_dir: Path) -> None:

@@ -5,10 +5,11 @@ and tested without starting anything.
     for cmd in service_commands(cfg, model_dir, redis_url, ports):
         subprocess.Popen(cmd.argv(), env=child_env(**cmd.env))    # mesh/supervisor.py does this
 
-A service's flags are the mesh's own first, then the preset's section for that service (`cfg.extra`), so the
-preset wins. The Redis URL travels in the environment (DAPO_REDIS_URL), not on the command line, where `ps`
-would show a password. The order is the start order: the reward server and the buffer before the learner and
-the replicas that need them.
+A service's settings are the mesh's values (ports, paths, what [mesh] decides for every service: MESH_SETS in
+mesh/config.py) and its typed preset section (`cfg.learner`, ...), which may not set a MESH_SETS name: each value
+has one place, and the command line is written once, here. The Redis URL travels in the environment
+(DAPO_REDIS_URL), not on the command line, where `ps` would show a password. The order is the start order: the
+reward server and the buffer before the learner and the replicas that need them.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
-from mesh.config import MeshConfig, Service
+from mesh.config import MeshConfig, Service, to_flags
 from mesh.layout import RunLayout
 from services.redis_server import free_port
 
@@ -58,89 +59,65 @@ def allocate_ports(cfg: MeshConfig) -> dict[str, int]:
 def service_commands(
     cfg: MeshConfig, model_dir: Path, redis_url: str, ports: Mapping[str, int]
 ) -> list[ServiceCommand]:
+    """Each service's settings (the mesh's values, then its preset section over them) as its command line."""
+    values = service_values(cfg, model_dir, ports)
+    env = {"DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    return [ServiceCommand(name, tuple(to_flags(values[name])), env) for name in service_names(cfg)]
+
+
+def service_values(cfg: MeshConfig, model_dir: Path, ports: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+    """What each service is started with, by setting name: what the mesh decides (only `MESH_SETS` names, and a
+    few defaults a preset may change: workers, seeds, cores), then the preset's section for that service."""
     run = RunLayout(cfg.run_dir)
     broadcast = cfg.transport == "broadcast"
-    flags: dict[str, list[str]] = {
-        "reward": ["--workers", "1"],
-        "buffer": [
-            "--run-dir",
-            str(run.buffer),
-            "--dataset",
-            cfg.dataset,
-            "--n-samples",
-            str(cfg.n_samples),
-            "--batch-size",
-            str(cfg.batch_size),
-            "--max-staleness",
-            str(cfg.max_staleness),
-        ],
-        "learner": [
-            "--model-dir",
-            str(model_dir),
-            "--run-dir",
-            str(run.learner),
-            "--max-batches",
-            str(cfg.steps),
-            "--minibatches",
-            str(cfg.minibatches),
-            "--lr",
-            str(cfg.lr),
-            "--dtype",
-            cfg.dtype,
-            "--weight-sync",
-            "broadcast" if broadcast else "none",
-            "--sync-port",
-            str(ports[SYNC_PORT]),
-            "--max-staleness",
-            str(cfg.max_staleness),
-            "--hold-after-max",
-            "--ranks",
-            str(cfg.learner_ranks),
-        ],
+    cores = split_cores() if cfg.placement == "split" else None
+    out: dict[str, dict[str, Any]] = {
+        "reward": {"port": ports["reward"], "workers": 1},
+        "buffer": {
+            "port": ports["buffer"],
+            "run_dir": run.buffer,
+            "dataset": cfg.dataset,
+            "n_samples": cfg.n_samples,
+            "batch_size": cfg.batch_size,
+            "max_staleness": cfg.max_staleness,
+            "shuffle_seed": cfg.seed,
+        },
+        "learner": {
+            "port": ports["learner"],
+            "model_dir": model_dir,
+            "run_dir": run.learner,
+            "max_batches": cfg.steps,
+            "minibatches": cfg.minibatches,
+            "lr": cfg.lr,
+            "dtype": cfg.dtype,
+            "weight_sync": "broadcast" if broadcast else "none",
+            "sync_port": ports[SYNC_PORT],
+            "max_staleness": cfg.max_staleness,
+            "hold_after_max": True,
+            "ranks": cfg.learner_ranks,
+            "seed": cfg.seed,
+            "cpu_cores": cores[0] if cores else None,
+        },
     }
     for i in range(cfg.replicas):
-        flags[f"rollout-{i}"] = [
-            "--engine",
-            cfg.engine,
-            "--model-dir",
-            str(model_dir),
-            "--reward-url",
-            f"http://127.0.0.1:{ports['reward']}",
-            "--weights-dir",
-            str(run.snapshots),
-            "--replica-id",
-            f"rollout-{i}",
-            "--max-response-tokens",
-            str(cfg.max_response_tokens),
-            "--sync-broadcast" if broadcast else "--no-sync-broadcast",
-            "--dtype",
-            cfg.dtype,
-        ]
+        name = f"rollout-{i}"
+        out[name] = {
+            "port": ports[name],
+            "engine": cfg.engine,
+            "model_dir": model_dir,
+            "reward_url": f"http://127.0.0.1:{ports['reward']}",
+            "weights_dir": run.snapshots,
+            "replica_id": name,
+            "max_response_tokens": cfg.max_response_tokens,
+            "sync_broadcast": broadcast,
+            "dtype": cfg.dtype,
+            "seed": None if cfg.seed is None else cfg.seed + i,  # replicas must not repeat each other
+            "cpu_cores": cores[1] if cores else None,
+        }
         if cfg.eval_every and i == 0:  # rollout-0 evaluates the held-out split the buffer wrote
-            flags["rollout-0"] += [
-                "--eval-every",
-                str(cfg.eval_every),
-                "--eval-data",
-                str(run.eval_items),
-                "--eval-size",
-                str(cfg.eval_size),
-                "--eval-k",
-                str(cfg.eval_k),
-            ]
-    if cfg.seed is not None:  # before the preset's flags: a preset may still set its own
-        flags["buffer"] += ["--shuffle-seed", str(cfg.seed)]
-        flags["learner"] += ["--seed", str(cfg.seed)]
-        for i in range(cfg.replicas):
-            flags[f"rollout-{i}"] += ["--seed", str(cfg.seed + i)]  # replicas must not repeat each other
-    if cfg.placement == "split" and (cores := split_cores()) is not None:
-        flags["learner"] += ["--cpu-cores", cores[0]]
-        for i in range(cfg.replicas):
-            flags[f"rollout-{i}"] += ["--cpu-cores", cores[1]]
-    env = {"DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
-    return [
-        ServiceCommand(name, ("--port", str(ports[name]), *flags[name], *cfg.extra.get(_service(name), [])), env)
-        for name in service_names(cfg)
-    ]
+            out[name] |= {"eval_every": cfg.eval_every, "eval_data": run.eval_items}
+            out[name] |= {"eval_size": cfg.eval_size, "eval_k": cfg.eval_k}
+    return {name: v | cfg.section(_service(name)) for name, v in out.items()}
 
 
 def split_cores(cores: set[int] | None = None) -> tuple[str, str] | None:

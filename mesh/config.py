@@ -1,22 +1,26 @@
-"""The mesh's configuration: `MeshConfig` (scale, model, transport, evaluation) and the preset files that fill
-it together with each service's settings.
+"""The mesh's configuration: one typed `MeshConfig` for the whole run — the mesh's own section (scale, model,
+transport, evaluation) and one section per service, each the service's own settings class — validated as a whole
+before anything starts.
 
     cfg = MeshConfig.from_preset(Path("configs/dapo.toml"), run_dir=Path(".dapo"))
-    cfg = MeshConfig.tiny_preset(Path(".dapo"), steps=3)      # a random tiny Llama: a smoke test
+    cfg = MeshConfig.tiny_preset(Path(".dapo"), steps=3)                  # a random tiny Llama: a smoke test
+    cfg.learner.clip_high                                          # 0.28: the preset's [learner] section
 
 A preset is one TOML file:
 
-    [mesh]                 # MeshConfig fields: steps, n_samples, batch_size, lr, ...
+    [mesh]                 # MeshConfig's own fields: steps, n_samples, batch_size, lr, ...
     [learner]              # LearnerSettings fields: clip_high, loss_agg, overlong_filter, ...
     [buffer]               # BufferSettings fields: dynamic_sampling, ...
     [reward]               # RewardSettings fields: overlong_shaping, ...
     [rollout]              # RolloutSettings fields: temperature, ...
 
 A preset may start from another (`base = "../grpo.toml"`, relative to the file) and change a few keys:
-configs/ablations/ climbs DAPO's Table 1 that way, one technique per file. Every key is checked against
-the model of its section and every value validated by it, so a typo fails before anything starts.
-Service sections become flags (`--clip-high 0.2`, `--no-dynamic-sampling`) after the mesh's own, so they
-win (mesh/commands.py).
+configs/ablations/ climbs DAPO's Table 1 that way, one technique per file. Every key is checked against its
+section's class and every value validated by it, so a typo fails before anything starts, with the section and the
+field in the message. A service section holds what the preset says (`cfg.learner.model_fields_set`); the mesh's
+own values (ports, paths, and what [mesh] decides for every service, `MESH_SETS`) are added when the command lines
+are made (mesh/commands.py), and a section that sets one of those is refused: one value, one place. The sections
+read no environment: the services themselves still read `DAPO_*` for what nobody set.
 """
 
 from __future__ import annotations
@@ -28,17 +32,89 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from buffer.settings import BufferSettings
+from learner.settings import LearnerSettings
+from reward_server.settings import RewardSettings
+from rollout.settings import RolloutSettings
 from services.child_process import ROOT
 
 DEFAULT_PRESET = ROOT / "configs" / "dapo.toml"  # what `dapo-mesh up` runs without --config
 Service = Literal["reward", "buffer", "learner", "rollout"]
+SERVICES: tuple[Service, ...] = ("reward", "buffer", "learner", "rollout")
+
+
+class _PresetSection(BaseSettings):
+    """A service's settings as a preset section: the class's own fields and validators, filled only from the
+    preset (no environment, no command line), and no key the class does not have."""
+
+    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+class RewardSection(_PresetSection, RewardSettings):
+    pass
+
+
+class BufferSection(_PresetSection, BufferSettings):
+    pass
+
+
+class LearnerSection(_PresetSection, LearnerSettings):
+    pass
+
+
+class RolloutSection(_PresetSection, RolloutSettings):
+    pass
+
+
+SECTIONS: dict[Service, type[_PresetSection]] = {
+    "reward": RewardSection,
+    "buffer": BufferSection,
+    "learner": LearnerSection,
+    "rollout": RolloutSection,
+}
+
+# What the mesh sets in each service from its own section and its wiring (mesh/commands.py): a service section
+# may not set these. Everything else in a service's settings is the preset's to choose.
+_WIRING = {"port", "host", "redis_url", "redis_password", "auth_token", "insecure"}
+_MESH_WANTS: dict[Service, set[str]] = {
+    "reward": _WIRING,
+    "buffer": _WIRING | {"run_dir", "dataset", "n_samples", "batch_size", "max_staleness"},
+    "learner": _WIRING
+    | {"model_dir", "run_dir", "max_batches", "minibatches", "lr", "dtype", "weight_sync", "sync_port"}
+    | {"sync_secret", "max_staleness", "hold_after_max", "ranks"},
+    "rollout": _WIRING
+    | {"engine", "model_dir", "reward_url", "weights_dir", "replica_id", "max_response_tokens", "dtype"}
+    | {"sync_broadcast", "sync_secret", "eval_every", "eval_data", "eval_size", "eval_k"},
+}
+
+
+MESH_SETS: dict[Service, frozenset[str]] = {
+    name: frozenset(wants & set(SECTIONS[name].model_fields)) for name, wants in _MESH_WANTS.items()
+}
+
+
+def _near(bad: list[str], allowed: set[str]) -> str:
+    near = sorted({m for b in bad for m in difflib.get_close_matches(b, allowed, n=2)})
+    return f"did you mean {near}?" if near else f"it has {sorted(allowed)}"
 
 
 class MeshConfig(BaseModel):
-    """What `dapo-mesh up` starts. A wrong value (a typo in `transport`, a negative count) is an error that names
-    the field and the allowed values, at construction and at assignment."""
+    """What `dapo-mesh up` starts. A wrong value (a typo in `transport`, a negative count, a key a section does not
+    have) is an error that names the section, the field and the allowed values, at construction and assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -79,12 +155,38 @@ class MeshConfig(BaseModel):
     placement: Literal["split", "shared"] = Field(
         "split",
         description="split: the learner pinned to the first half of the cores, the replicas' threads to the other "
-        "half (measured: README, Benchmarks); shared: every service on every core, the learner on 1 thread.",
+        "half (measured: docs, Benchmarks); shared: every service on every core, the learner on 1 thread.",
     )
     learner_ranks: int = Field(
         1, ge=1, description="Data-parallel learner processes (torchrun, one machine): rank 0 serves, all train."
     )
-    extra: dict[Service, list[str]] = Field(default_factory=dict, description="More flags per service.")
+    reward: RewardSection = Field(default_factory=RewardSection, description="The reward server's settings.")
+    buffer: BufferSection = Field(default_factory=BufferSection, description="The buffer's settings.")
+    learner: LearnerSection = Field(default_factory=LearnerSection, description="The learner's settings.")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="Every rollout replica's settings.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        """A key no section has is named with the nearest ones (pydantic would only say 'extra inputs')."""
+        if not isinstance(data, dict):
+            return data
+        if bad := sorted(set(data) - set(cls.model_fields)):
+            raise ValueError(f"[mesh] has no setting {bad}; {_near(bad, set(cls.model_fields) - set(SERVICES))}")
+        for name in SERVICES:
+            values = data.get(name)
+            if not isinstance(values, dict):
+                continue
+            fields = set(SECTIONS[name].model_fields)
+            if bad := sorted(set(values) - fields):
+                raise ValueError(f"[{name}] has no setting {bad}; {_near(bad, fields)}")
+            if owned := sorted(set(values) & MESH_SETS[name]):
+                raise ValueError(
+                    f"[{name}] sets {owned}, which the mesh sets (from [mesh] or its wiring); "
+                    + "set it in [mesh]"
+                    + ("" if set(owned) <= set(cls.model_fields) else ", or the environment for a secret")
+                )
+        return data
 
     @model_validator(mode="after")
     def _ranks_have_samples(self) -> Self:
@@ -97,46 +199,61 @@ class MeshConfig(BaseModel):
             )
         return self
 
-    @classmethod
-    def from_preset(cls, path: Path, **overrides: Any) -> MeshConfig:
-        """A preset file: its [mesh] section, and its service sections as extra flags."""
-        preset = load_preset(path)
-        extra = {name: preset.flags(name) for name in preset.services if preset.services[name]}
-        return cls.model_validate(preset.mesh | overrides | {"extra": extra})
+    def section(self, service: Service) -> dict[str, Any]:
+        """What the preset set for `service` (nothing the service would default or read from its environment)."""
+        values: BaseModel = getattr(self, service)
+        return values.model_dump(include=values.model_fields_set)
 
     @classmethod
-    def tiny_preset(cls, run_dir: Path, steps: int = 3) -> MeshConfig:
-        return cls(
-            run_dir=run_dir,
-            steps=steps,
-            tiny=True,
-            engine="hf",
-            n_samples=4,
-            batch_size=4,
-            max_response_tokens=24,
-            minibatches=2,
-            lr=1e-4,
-            eval_size=16,
-            eval_k=2,
-            extra={
-                "buffer": ["--no-dynamic-sampling"],  # a random model gets nothing right
-                # as the presets: a group past the bound at the update is trained under the correction
-                "learner": ["--off-policy", "token-tis", "--stale-groups", "reweight"],
+    def from_preset(cls, path: Path, **overrides: Any) -> MeshConfig:
+        """A preset file, with `overrides` of the [mesh] section (the caller's: run_dir, redis_url, ...)."""
+        return cls.validated(load_preset(path).data | overrides, where=str(path))
+
+    @classmethod
+    def validated(cls, data: dict[str, Any], where: str = "the mesh config") -> MeshConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise PresetError(f"{where}: {describe(e)}" if where else describe(e)) from None
+
+    @classmethod
+    def tiny_preset(
+        cls, run_dir: Path, steps: int = 3, sections: dict[str, dict[str, Any]] | None = None
+    ) -> MeshConfig:
+        """The tiny mesh (a random Llama, the HF engine, small groups): a smoke test in a minute. `sections`: a
+        preset's service sections to run at this scale; `TINY_NEEDS` is applied over them."""
+        sections = {name: dict(values) for name, values in (sections or {}).items()}
+        for (name, key), value in TINY_NEEDS.items():
+            sections.setdefault(name, {})[key] = value
+        return cls.validated(
+            {
+                "run_dir": run_dir,
+                "steps": steps,
+                "tiny": True,
+                "engine": "hf",
+                "n_samples": 4,
+                "batch_size": 4,
+                "max_response_tokens": 24,
+                "minibatches": 2,
+                "lr": 1e-4,
+                "eval_size": 16,
+                "eval_k": 2,
+                **sections,
             },
+            where="--tiny",
         )
 
 
+# What the tiny mesh needs whatever the preset says: a random model gets nothing right, so dynamic sampling would
+# keep nothing; the presets' off-policy correction for a group past the bound at the update.
+TINY_NEEDS: dict[tuple[Service, str], Any] = {
+    ("buffer", "dynamic_sampling"): False,
+    ("learner", "off_policy"): "token-tis",
+    ("learner", "stale_groups"): "reweight",
+}
+
 # where a run goes and what runs it are the caller's, not a preset's
-PRESET_MESH_FIELDS = set(MeshConfig.model_fields) - {"run_dir", "extra", "redis_url"}
-
-
-def _service_settings() -> dict[str, Any]:
-    from buffer.settings import BufferSettings
-    from learner.settings import LearnerSettings
-    from reward_server.settings import RewardSettings
-    from rollout.settings import RolloutSettings
-
-    return {"learner": LearnerSettings, "buffer": BufferSettings, "reward": RewardSettings, "rollout": RolloutSettings}
+PRESET_MESH_FIELDS = set(MeshConfig.model_fields) - {"run_dir", "redis_url", *SERVICES}
 
 
 class PresetError(ValueError):
@@ -144,26 +261,42 @@ class PresetError(ValueError):
 
 
 def describe(e: ValidationError) -> str:
-    """`field: what is wrong` for each error, e.g. "transport: Input should be 'broadcast' or 'filesystem'"."""
-    return "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+    """`[section] field: what is wrong` for each error, e.g. "[mesh] transport: Input should be 'broadcast' or
+    'filesystem'", "[learner] clip_high: Input should be greater than 0"."""
+    out = []
+    for x in e.errors():
+        loc = [str(p) for p in x["loc"]]
+        section, field = (loc[0], loc[1:]) if loc and loc[0] in SERVICES else ("mesh", loc)
+        msg = x["msg"].removeprefix("Value error, ")
+        out.append(msg if msg.startswith("[") else f"[{section}] {'.'.join(field)}: {msg}".replace(" : ", ": "))
+    return "; ".join(out)
 
 
 @dataclasses.dataclass
 class Preset:
     path: Path
-    mesh: dict[str, Any]
-    services: dict[str, dict[str, Any]]
+    data: dict[str, Any]  # the [mesh] keys at the top, one dict per service section
 
-    def flags(self, service: str) -> list[str]:
-        return to_flags(self.services.get(service, {}))
+    @property
+    def mesh(self) -> dict[str, Any]:
+        return {k: v for k, v in self.data.items() if k not in SERVICES}
+
+    @property
+    def services(self) -> dict[str, dict[str, Any]]:
+        return {k: v for k, v in self.data.items() if k in SERVICES}
 
 
 def to_flags(values: dict[str, Any]) -> list[str]:
+    """Settings as a service's command line: `--clip-high 0.28`, `--no-dynamic-sampling`; None is left out."""
     out: list[str] = []
     for key, v in values.items():
         flag = "--" + key.replace("_", "-")
+        if v is None:
+            continue
         if isinstance(v, bool):
             out.append(flag if v else "--no-" + key.replace("_", "-"))
+        elif isinstance(v, SecretStr):
+            raise ValueError(f"{key} is a secret: it travels in the environment, never on a command line")
         else:
             out += [flag, json.dumps(v) if isinstance(v, dict | list) else str(v)]
     return out
@@ -191,31 +324,16 @@ def read_preset(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, dict[str,
     return merged
 
 
-def _validate(path: Path, section: str, model: type[BaseModel], values: dict[str, Any], allowed: set[str]) -> None:
-    if bad := sorted(set(values) - allowed):
-        near = sorted({m for b in bad for m in difflib.get_close_matches(b, allowed, n=2)})
-        raise PresetError(
-            f"{path}: [{section}] has no setting {bad}; "
-            + (f"did you mean {near}?" if near else f"it has {sorted(allowed)}")
-        )
-    try:
-        model.model_validate(values)
-    except ValidationError as e:
-        raise PresetError(f"{path}: [{section}] {describe(e)}") from None
-
-
 def load_preset(path: Path) -> Preset:
+    """A preset file, read and validated as a whole (MeshConfig): every error names its section and field."""
     data = read_preset(path)
-    classes = _service_settings()
     if bad := sorted(k for k, v in data.items() if not isinstance(v, dict)):
         raise PresetError(f"{path}: {bad} outside a [section]")
-    unknown = sorted(set(data) - {"mesh", *classes})
-    if unknown:
-        raise PresetError(f"{path}: unknown sections {unknown}; use [mesh], [{'], ['.join(classes)}]")
+    if unknown := sorted(set(data) - {"mesh", *SERVICES}):
+        raise PresetError(f"{path}: unknown sections {unknown}; use [mesh], [{'], ['.join(SERVICES)}]")
     mesh = dict(data.get("mesh", {}))
-    _validate(path, "mesh", MeshConfig, mesh, PRESET_MESH_FIELDS)
-    services: dict[str, dict[str, Any]] = {}
-    for name, cls in classes.items():
-        services[name] = dict(data.get(name, {}))
-        _validate(path, name, cls, services[name], set(cls.model_fields))
-    return Preset(path, mesh, services)
+    if callers := sorted(set(mesh) & (set(MeshConfig.model_fields) - PRESET_MESH_FIELDS)):
+        raise PresetError(f"{path}: [mesh] {callers} belong to the command line, not a preset")
+    flat = mesh | {name: dict(data.get(name, {})) for name in SERVICES}
+    MeshConfig.validated(flat, where=str(path))
+    return Preset(path, flat)

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from buffer.settings import BufferSettings
 from learner.settings import LearnerSettings
-from mesh.cli import app
-from mesh.commands import SYNC_PORT, ServiceCommand, service_commands, service_names, split_cores
-from mesh.config import MeshConfig, PresetError, load_preset
+from mesh.cli import app, mesh_config
+from mesh.commands import SYNC_PORT, ServiceCommand, service_commands, service_names, service_values, split_cores
+from mesh.config import MESH_SETS, MeshConfig, PresetError, load_preset
 from mesh.layout import RunLayout
 from reward_server.settings import RewardSettings
 from rollout.settings import RolloutSettings
@@ -93,11 +93,49 @@ def test_dtype_and_core_placement_reach_the_learner_and_every_replica(tmp_path: 
     assert split_cores({3}) is None  # one core: nothing to split
 
 
-def test_preset_flags_come_last_so_they_win(tmp_path: Path) -> None:
-    cfg = MeshConfig(run_dir=tmp_path, lr=1e-3, extra={"learner": ["--lr", "5e-4"], "buffer": ["--batch-size", "2"]})
-    cmds = {c.name: c for c in service_commands(cfg, MODEL, URL, ports(cfg))}
-    assert cmds["learner"].args[-2:] == ("--lr", "5e-4") and parsed(cmds["learner"]).lr == 5e-4
-    assert parsed(cmds["buffer"]).batch_size == 2
+def test_a_section_reaches_its_service_and_cannot_set_what_the_mesh_sets(tmp_path: Path) -> None:
+    cfg = MeshConfig(run_dir=tmp_path, lr=1e-3, learner={"clip_high": 0.3}, reward={"workers": 3})  # type: ignore[arg-type]
+    cmds = {c.name: parsed(c) for c in service_commands(cfg, MODEL, URL, ports(cfg))}
+    assert (cmds["learner"].lr, cmds["learner"].clip_high, cmds["reward"].workers) == (1e-3, 0.3, 3)
+    # one value, one place: the learning rate is [mesh]'s, the batch size too; a secret is never in a preset
+    for section, key, value in (("learner", "lr", 5e-4), ("buffer", "batch_size", 2), ("rollout", "auth_token", "t")):
+        with pytest.raises(ValidationError, match=rf"\[{section}\] sets \['{key}'\], which the mesh sets"):
+            MeshConfig(run_dir=tmp_path, **{section: {key: value}})
+    with pytest.raises(
+        ValidationError, match=r"\[learner\] has no setting \['clip_hihg'\]; did you mean \[.*'clip_high'"
+    ):
+        MeshConfig(learner={"clip_hihg": 0.3})  # type: ignore[arg-type]
+
+
+def test_every_name_the_mesh_sets_is_a_setting_of_that_service(tmp_path: Path) -> None:
+    cfg = MeshConfig(run_dir=tmp_path, replicas=2, seed=1, eval_every=2)
+    values = service_values(cfg, MODEL, ports(cfg))
+    for name, settings in values.items():
+        service = name.split("-")[0]
+        assert set(settings) <= set(SETTINGS[service].model_fields), name
+        # what the mesh sets is refused in a preset section, except a few defaults a preset may change
+        assert set(settings) - MESH_SETS[service] <= {"workers", "seed", "shuffle_seed", "cpu_cores"}, name
+
+
+def test_tiny_with_a_preset_takes_its_sections_and_says_what_it_changes(tmp_path: Path) -> None:
+    cfg = mesh_config(tmp_path, CONFIGS / "grpo.toml", True, {}, ["learner.clip_high=0.25", "mesh.eval_size=8"])
+    assert cfg.tiny and cfg.engine == "hf" and cfg.steps == 3  # the tiny mesh's scale
+    assert cfg.learner.loss_agg == "seq-mean-token-mean" and cfg.learner.clip_high == 0.25  # grpo, then --set
+    assert cfg.dataset == "reasoning_gym:basic_arithmetic" and cfg.eval_size == 8
+    assert cfg.buffer.dataset_size == 400 and cfg.buffer.dynamic_sampling is False  # a random model needs it off
+    r = CliRunner().invoke(app, ["up", "--tiny", "--config", str(CONFIGS / "dapo.toml"), "--run-dir", str(tmp_path),
+                                 "--set", "learner.clip_hihg=1"])  # fmt: skip
+    assert r.exit_code == 2 and "[learner] has no setting ['clip_hihg']" in " ".join(r.output.split())
+    out = " ".join(w for w in CliRunner().invoke(app, ["up", "--help"]).output.split() if w != "│")
+    assert "Data-parallel learner processes" in out  # the option's help is its MeshConfig field's description
+
+
+def test_options_left_out_keep_the_presets_values(tmp_path: Path) -> None:
+    preset = tmp_path / "p.toml"
+    preset.write_text('base = "%s"\n[mesh]\nreplicas = 2\nengine = "hf"\ntransport = "filesystem"\n'
+                      % (CONFIGS / "dapo.toml"))  # fmt: skip
+    cfg = mesh_config(tmp_path, preset, False, {"seed": 3}, [])
+    assert (cfg.replicas, cfg.engine, cfg.transport, cfg.seed, cfg.steps) == (2, "hf", "filesystem", 3, 45)
 
 
 def test_a_seed_reaches_every_sampler(tmp_path: Path) -> None:
@@ -126,8 +164,8 @@ def test_a_wrong_choice_is_named_with_the_allowed_ones(tmp_path: Path) -> None:
         cfg.engine = "trt"  # type: ignore[assignment]
     with pytest.raises(ValidationError, match=r"replicas\n  Input should be greater than or equal to 1"):
         MeshConfig(replicas=0)
-    with pytest.raises(ValidationError, match="extra"):
-        MeshConfig(extra={"trainer": ["--lr", "1"]})  # type: ignore[dict-item]
+    with pytest.raises(ValidationError, match=r"\[mesh\] has no setting \['trainer'\]"):
+        MeshConfig(trainer={"lr": 1})  # type: ignore[call-arg]
     preset = tmp_path / "p.toml"
     preset.write_text('[mesh]\ntransport = "nccl"\n')
     with pytest.raises(PresetError, match=r"\[mesh\] transport: Input should be 'broadcast' or 'filesystem'"):

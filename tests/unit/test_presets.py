@@ -27,7 +27,10 @@ def flat(path: Path) -> dict[tuple[str, str], object]:
 def test_every_preset_loads_and_validates(path: Path) -> None:
     preset = load_preset(path)
     cfg = MeshConfig.from_preset(path, run_dir=Path("/tmp/x"))
-    assert cfg.steps == preset.mesh["steps"] and cfg.extra["learner"] == preset.flags("learner")
+    assert cfg.steps == preset.mesh["steps"]
+    for name, values in preset.services.items():  # every section as the file says, typed by its service's class
+        assert cfg.section(name) == values, name  # type: ignore[arg-type]
+        assert all(getattr(getattr(cfg, name), k) == v for k, v in values.items())
 
 
 def test_dapo_and_grpo_differ_in_exactly_the_papers_switches() -> None:
