@@ -174,22 +174,11 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
         dead |= _task_ids_of_dead_letter(f)
 
     counts = dict.fromkeys(PLACES, 0)
+    # the first place that holds a task id is its place; in none, it vanished
+    held = [("trained", trained), ("dropped", set(dropped)), ("in_batch", in_batch), ("at_buffer", at_buffer)]
+    held += [("at_rollout", at_rollout), ("dead_lettered", dead)]
     for t in dispatched:
-        place = (
-            "trained"
-            if t in trained
-            else "dropped"
-            if t in dropped
-            else "in_batch"
-            if t in in_batch
-            else "at_buffer"
-            if t in at_buffer
-            else "at_rollout"
-            if t in at_rollout
-            else "dead_lettered"
-            if t in dead
-            else "vanished"
-        )
+        place = next((name for name, ids in held if t in ids), "vanished")
         counts[place] += 1
         if place == "vanished":
             r.vanished.append(t)

@@ -13,8 +13,12 @@ dapo-mesh reward|buffer|learner|rollout ...   # one service, same flags as `pyth
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
+import json
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -286,11 +290,6 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Held-out avg@k and pass@k of a model, sampled by the rollout engine and scored by the reward server."""
-    import contextlib
-    import dataclasses
-    import json
-    import os
-
     if as_json:  # stdout is the report alone: vLLM logs to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from mesh.layout import RunLayout
@@ -339,7 +338,11 @@ def evaluate(
     if as_json:
         print(report.to_json())
         return
-    table = Table("metric", "value", title=f"{model_dir.name}: {len(items)} held-out prompts × {k} samples")
+    console.print(_report_table(report, f"{model_dir.name}: {len(items)} held-out prompts × {k} samples", k))
+
+
+def _report_table(report: Any, title: str, k: int) -> Table:
+    table = Table("metric", "value", title=title)
     table.add_row(f"avg@{k}", f"{report.avg_at_k:.4f}")
     for j, v in report.pass_at.items():
         table.add_row(f"pass@{j}", f"{v:.4f}")
@@ -348,7 +351,7 @@ def evaluate(
     table.add_row("mean response tokens", f"{report.mean_response_tokens:.1f}")
     table.add_row("truncated", f"{report.truncated_frac:.1%}")
     table.add_row("seconds", f"{report.seconds:.1f}")
-    console.print(table)
+    return table
 
 
 @app.command("prepare-model")
