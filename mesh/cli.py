@@ -1,14 +1,18 @@
 """`dapo-mesh` (or `python -m mesh`): the command line of the mesh. Heavy imports happen inside the
-commands, so `--help` is instant.
+commands, so `--help` is instant. Every command (a test holds this list to the app):
 
 dapo-mesh up              # the local mesh: Redis, reward server, buffer, replicas, learner (mesh/up.py)
 dapo-mesh up --check      # only prepare the model and check Redis and the stream transport
 dapo-mesh status          # a running mesh: versions, weight sync, replicas, streams, dead letters
 dapo-mesh audit RUN_DIR   # account for every dispatched prompt of a run (mesh/audit.py)
-dapo-mesh eval            # held-out avg@k / pass@k of a model (rollout/evaluate.py)
+dapo-mesh redrive         # put dead letters back on their stream once their cause is fixed
+dapo-mesh eval            # held-out avg@k / pass@k of a model (rollout's evaluator)
+dapo-mesh curves          # a run's metrics.jsonl as curves.png (mesh/curves.py)
+dapo-mesh ablate          # presets over seeds and the held-out table (mesh/ablate.py)
+dapo-mesh replay          # retrain a recorded run's batches, to compare weights (learner/replay.py)
 dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
 dapo-mesh redis           # run the embedded Redis in the foreground
-dapo-mesh reward|buffer|learner|rollout ...   # one service, same flags as `python -m <its package>`
+dapo-mesh reward | buffer | learner | rollout ...   # one service, same flags as `python -m <its package>`
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@
         consumer.ack(d.entry_id)                       # or consumer.ack_and_publish(ids, outputs)
 
 Delivery is at least once: an entry stays pending in its consumer group until acknowledged, and a
-live consumer reclaims entries another consumer left idle for `claim_idle_ms` (XAUTOCLAIM).
-Consumers therefore deduplicate by message id (task_id, batch_id) where a duplicate matters.
+live consumer reclaims entries another consumer left idle for `claim_idle_ms` (a bounded XPENDING scan, then
+XCLAIM with the idle bound again, so an entry another consumer took meanwhile stays theirs; a consumer keeps
+what it holds alive with XCLAIM JUSTID). Consumers therefore deduplicate where a duplicate matters, by content
+identity: the buffer by group id (its published set in Redis), the learner by the batch's digest in its
+checkpoint (a batch id can be handed out again after Redis loses writes).
 An entry that cannot be decoded or validated, or that was delivered more than `max_deliveries`
 times, is moved to the dead-letter stream with the reason and its original bytes, and acknowledged:
 one bad message never stops a consumer. Administration (trimming, pending and lag, dead letters)

@@ -191,3 +191,14 @@ def test_learner_ranks_reach_the_learner_and_too_many_are_refused_by_name(tmp_pa
     result = CliRunner().invoke(app, ["up", "--tiny", "--learner-ranks", "9", "--run-dir", str(tmp_path / "r")])
     assert result.exit_code == 2 and "learner_ranks 9" in " ".join(result.output.split())
     assert not (tmp_path / "r").exists()  # refused before anything started
+
+
+def test_the_cli_docstring_lists_every_command() -> None:
+    import typer.main
+
+    import mesh.cli
+
+    commands = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    listed = {w for line in (mesh.cli.__doc__ or "").splitlines() if line.startswith("dapo-mesh ")
+              for w in line.split("#")[0].split()[1:] if w.isidentifier() or "-" in w}  # fmt: skip
+    assert commands == listed - {"RUN_DIR", "--check"}, commands ^ listed
