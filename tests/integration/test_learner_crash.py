@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from learner.tiny import tiny_batch, tiny_llama
+from learner.tiny import tiny_batch
 from services.child_process import ROOT, child_env
 from services.ledger import read_ledger
 from services.redis_server import EmbeddedRedis, free_port
@@ -53,8 +53,8 @@ def state(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tmp_path: Path) -> None:
-    model = tiny_llama(tmp_path / "model")
+def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tiny_model: Path, tmp_path: Path) -> None:
+    model = tiny_model
     run_dir = tmp_path / "run"
     with EmbeddedRedis(tmp_path / "redis") as server:
         client = connect(server.url)
@@ -95,11 +95,11 @@ def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tmp_path: 
 
 
 @pytest.mark.slow
-def test_a_batch_id_handed_out_again_is_trained_and_a_copy_is_not(tmp_path: Path) -> None:
+def test_a_batch_id_handed_out_again_is_trained_and_a_copy_is_not(tiny_model: Path, tmp_path: Path) -> None:
     """A Redis restored from an older append-only file hands batch ids out again: the learner, deduplicating by
     id, skipped the new batches silently. It tells batches apart by content now: a new batch under an old id is
     trained, a copy of a trained batch (a redelivery, a retried XADD) is not."""
-    model = tiny_llama(tmp_path / "model")
+    model = tiny_model
     run_dir = tmp_path / "run"
     with EmbeddedRedis(tmp_path / "redis") as server:
         client = connect(server.url)
@@ -126,13 +126,13 @@ def test_a_batch_id_handed_out_again_is_trained_and_a_copy_is_not(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_groups_too_stale_at_the_update_never_reach_it(tmp_path: Path) -> None:
+def test_groups_too_stale_at_the_update_never_reach_it(tiny_model: Path, tmp_path: Path) -> None:
     """The buffer bounds staleness when it batches; the learner's version moves on while batches wait. With
     --max-staleness 1 the learner checks again at the update: a batch whose groups are all 2 versions behind is
     dropped whole (recorded, acknowledged, never trained), a mixed one is trained without its stale group."""
     from learner.tiny import group
 
-    model = tiny_llama(tmp_path / "model")
+    model = tiny_model
     run_dir = tmp_path / "run"
     rewards = [1.0, -1.0, 1.0, -1.0]
     with EmbeddedRedis(tmp_path / "redis") as server:

@@ -10,7 +10,7 @@ import torch
 from learner.batching import BatchTensors, microbatches, to_tensors
 from learner.loss import token_logprobs_and_entropy
 from learner.settings import LearnerSettings
-from learner.tiny import group, tiny_llama
+from learner.tiny import group
 from learner.trainer import Trainer
 from services.arrays import LogProbs
 from services.dtype import resolve_dtype
@@ -19,8 +19,8 @@ from services.schemas import TrainBatch
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("stage", "dtype"), [(0, "fp32"), (0, "bf16"), (2, "bf16")])
-def test_positive_advantage_tokens_gain_probability(tmp_path: Path, stage: int, dtype: str) -> None:
-    model_dir = tiny_llama(tmp_path / "model")
+def test_positive_advantage_tokens_gain_probability(tiny_model: Path, tmp_path: Path, stage: int, dtype: str) -> None:
+    model_dir = tiny_model
     s = LearnerSettings(model_dir=model_dir, run_dir=tmp_path / "run", zero_stage=stage, lr=1e-3, warmup_batches=0,
                         minibatches=2, micro_batch_size=2, dtype=dtype)  # fmt: skip
     trainer = Trainer(s)
@@ -51,11 +51,11 @@ def with_behaviour(batch: TrainBatch, logp: float) -> TrainBatch:
 
 
 @pytest.mark.slow
-def test_the_off_policy_correction_weighs_the_update(tmp_path: Path) -> None:
+def test_the_off_policy_correction_weighs_the_update(tiny_model: Path, tmp_path: Path) -> None:
     """Samples whose behaviour policy is far from the learner's (log-prob -0.1 per token where the tiny model
     gives about -5.5): uncorrected they move the weights; with token-mask every token leaves the band [1/C, C]
     and nothing moves; token-tis scales the update by the tiny weights. The gap is measured either way."""
-    model_dir = tiny_llama(tmp_path / "model")
+    model_dir = tiny_model
     batch = with_behaviour(TrainBatch.assemble(0, [group(1, [1.0, -1.0, 1.0, -1.0]), group(2, [-1.0, 1.0, 1.0, 0.0])]),
                            -0.1)  # fmt: skip
     grad, moved = {}, {}
@@ -78,10 +78,10 @@ def test_the_off_policy_correction_weighs_the_update(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_lr_follows_batches_not_optimizer_steps(tmp_path: Path) -> None:
+def test_the_lr_follows_batches_not_optimizer_steps(tiny_model: Path, tmp_path: Path) -> None:
     """Two mini-batches per batch used to advance a warm-up of 2 *optimizer* steps within the first batch. The
     warm-up counts batches now, and a learner resuming at version 5 is where the schedule says."""
-    model_dir = tiny_llama(tmp_path / "model")
+    model_dir = tiny_model
     s = LearnerSettings(model_dir=model_dir, run_dir=tmp_path / "run", lr=1e-3, warmup_batches=2, minibatches=2,
                         micro_batch_size=4, lr_schedule="cosine", lr_decay_batches=4, lr_min_ratio=0.0)  # fmt: skip
     trainer = Trainer(s)
@@ -112,12 +112,12 @@ def sampled_at(trainer: Trainer, batch: TrainBatch, temps: list[float], claim: l
 
 
 @pytest.mark.slow
-def test_the_learner_scores_at_each_sample_s_temperature(tmp_path: Path) -> None:
+def test_the_learner_scores_at_each_sample_s_temperature(tiny_model: Path, tmp_path: Path) -> None:
     """Behaviour log-probs come at the sampling temperature. The learner used to score at T = 1: a batch sampled at
     0.7 looked off-policy by the difference. Now the proximal log-probs equal the behaviour ones at the first
     update (no gap), for one temperature and for a batch that mixes two; a sample that misstates its temperature
     shows the gap."""
-    s = LearnerSettings(model_dir=tiny_llama(tmp_path / "model"), run_dir=tmp_path / "run", lr=1e-3, warmup_batches=0,
+    s = LearnerSettings(model_dir=tiny_model, run_dir=tmp_path / "run", lr=1e-3, warmup_batches=0,
                         minibatches=1, micro_batch_size=4, dtype="fp32")  # fmt: skip
     trainer = Trainer(s)
     base = TrainBatch.assemble(0, [group(1, [1.0, -1.0, 1.0, -1.0]), group(2, [-1.0, 1.0, 1.0, -1.0])])
@@ -145,11 +145,11 @@ class OldPathTrainer(Trainer):
 
 
 @pytest.mark.slow
-def test_fp32_token_budget_and_chunks_reproduce_the_old_update(tmp_path: Path) -> None:
+def test_fp32_token_budget_and_chunks_reproduce_the_old_update(tiny_model: Path, tmp_path: Path) -> None:
     """--dtype fp32 with token-budget micro-batches and chunked log-probs gives the loss, the metrics and the
     weights of the old path (full logits, 3 rows per micro-batch) within float rounding, over two batches of
     samples of different lengths at two temperatures."""
-    model_dir = tiny_llama(tmp_path / "model")
+    model_dir = tiny_model
     common = dict(model_dir=model_dir, lr=1e-3, warmup_batches=0, minibatches=2, dtype="fp32", off_policy="token-tis")
     new = Trainer(LearnerSettings(run_dir=tmp_path / "a", micro_batch_tokens=40, logprob_chunk=7, **common))  # type: ignore[arg-type]
     old = OldPathTrainer(LearnerSettings(run_dir=tmp_path / "b", micro_batch_tokens=0, micro_batch_size=3, **common))  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from learner.record import load_batch
-from learner.tiny import tiny_batch, tiny_llama
+from learner.tiny import tiny_batch
 from services.child_process import ROOT, child_env
 from services.ledger import read_ledger
 from services.redis_server import EmbeddedRedis, free_port
@@ -44,12 +44,12 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_replay_of_a_killed_and_resumed_run_gives_its_weights_bit_for_bit(tmp_path: Path) -> None:
+def test_a_replay_of_a_killed_and_resumed_run_gives_its_weights_bit_for_bit(tiny_model: Path, tmp_path: Path) -> None:
     """The learner records each batch as it trains it; SIGKILL after two checkpointed batches, a restart trains the
     other two. Replaying the four records from the base model gives the run's final weights exactly: the LR
     schedule and the mini-batch shuffle are functions of the version, not of the process (a shuffle drawn from a
     generator seeded at start would restart its sequence with the learner, and this test fails)."""
-    model = tiny_llama(tmp_path / "model")
+    model = tiny_model
     run_dir = tmp_path / "run"
     with EmbeddedRedis(tmp_path / "redis") as server:
         producer = StreamProducer(connect(server.url), STREAM_BATCHES)

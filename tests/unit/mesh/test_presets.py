@@ -9,7 +9,7 @@ import pytest
 
 from mesh.config import MeshConfig, PresetError, load_preset, read_preset, to_flags
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 SWITCHES = {  # DAPO's techniques, as (section, key): GRPO value, DAPO value
     ("learner", "clip_high"): (0.2, 0.28),
     ("learner", "loss_agg"): ("seq-mean-token-mean", "token-mean"),

@@ -20,7 +20,7 @@ from reward_server.settings import RewardSettings
 from rollout.settings import RolloutSettings
 from services.settings import load_settings
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MODEL = Path("/models/m")
 URL = "redis://:pw@127.0.0.1:6390/0"
 SETTINGS = {"reward": RewardSettings, "buffer": BufferSettings, "learner": LearnerSettings, "rollout": RolloutSettings}

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reward_server.verifiers.dapo_math import dapo_math, normalize
-from tests.unit.dapo_math_cases import CASES
+from tests.unit.reward_server.dapo_math_cases import CASES
 
 REF_WHEEL = Path(sys.prefix) / "ref" / "verl-0.9.1-py3-none-any.whl"  # fetched by `make setup`
 

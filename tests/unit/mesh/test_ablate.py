@@ -12,10 +12,10 @@ import pytest
 from mesh.ablate import RunResult, ablate, markdown, read_run, run_dir_of, summarize
 from mesh.config import MeshConfig
 from mesh.layout import RunLayout
-from rollout.engine import SamplingParams
-from rollout.worker import seeded
+from rollout.engines import SamplingParams
+from rollout.replica import seeded
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 def write_metrics(run_dir: Path, evals: list[tuple[int, float]]) -> None:
