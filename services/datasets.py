@@ -32,7 +32,7 @@ EVAL_ITEMS_FILE = "eval.jsonl"
 
 # chain_sum with two terms of 1-2 digits: the dataset config of a reasoning-gym spec given without one (the buffer's
 # --dataset-config default, and `dapo-mesh eval`'s). SmolLM2-135M-Instruct (from the GGUF) gets only 1.5-4% of it
-# right when sampled: configs/dapo.toml trains on 1-digit basic_arithmetic instead (README, "A learning run").
+# right when sampled: configs/dapo.toml trains on 1-digit basic_arithmetic instead (docs: results/learning-runs.md).
 DEFAULT_DATASET_CONFIG = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}
 
 DAPO_TEMPLATE = (

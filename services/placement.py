@@ -5,7 +5,7 @@
 When the learner and a vLLM replica share a machine, vLLM's OpenMP pool binds the cores it is given
 (VLLM_CPU_OMP_THREADS_BIND) and spins on them; a learner whose torch pool runs on the same cores fights it for
 every matmul. `dapo-mesh up` splits the cores (the learner's `--cpu-cores`, the replicas' `--cpu-cores`); the
-measurement behind the default is in the README (Benchmarks, placement).
+measurement behind the default is in the docs (benchmarks.md, placement).
 """
 
 from __future__ import annotations
