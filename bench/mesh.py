@@ -49,7 +49,7 @@ def mesh_run(run_dir: Path, staleness: int, steps: int) -> tuple[float, float]:
 
 def raw_generate(model_dir: Path, steps: int) -> float:
     """Tokens/s of the engine alone on the mesh's prompts: B prompts x G samples per call, as the replica does."""
-    from rollout.engine import SamplingParams, encode_prompt, load_engine
+    from rollout.engines import SamplingParams, encode_prompt, load_engine
     from services.datasets import DEFAULT_DATASET_CONFIG, load_source
 
     engine = load_engine(model_dir, "vllm", kv_cache_gib=2)

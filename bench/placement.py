@@ -27,8 +27,8 @@ from bench.common import Result, print_table
 GEN = """
 import json, sys, time
 if __name__ == "__main__":
-    from rollout.vllm_engine import VllmEngine
-    from rollout.engine import SamplingParams, encode_prompt
+    from rollout.engines.vllm_chunked import VllmEngine
+    from rollout.engines import SamplingParams, encode_prompt
     e = VllmEngine(sys.argv[1], kv_cache_gib=1, max_model_len=512, dtype=sys.argv[2], cpu_cores=sys.argv[3])
     prompts = [encode_prompt(e.tokenizer, f"What is {i} + {2 * i}?") for i in range(8)]
     while True:

@@ -1,7 +1,7 @@
-"""Rollout: generated tokens/s through the worker (Redis in and out, reward round trip) vs raw generate, and the
-streaming replica's weight-update modes.
+"""Rollout: generated tokens/s through the replica's loop (Redis in and out, reward round trip) vs raw generate, and
+the weight-update modes of continuous batching.
 
-Ours: the replica's loop (`StreamWorker.step()` for vLLM, `Worker.step()` for HF) over PromptTasks from a real
+Ours: the replica's loop (`ContinuousLoop.step()` for vLLM, `ChunkedLoop.step()` for HF) over PromptTasks from a real
 Redis, scoring on a real reward server and publishing ScoredGroups. Limit: the same engine's `generate` on the
 same prompts, same run. Run: `python -m bench.rollout [--engine vllm|hf] [--model DIR]` (default: a random Llama,
 byte tokenizer); `--inflight`: the weight-update modes on SmolLM2-135M (`inflight_rows`).
@@ -24,61 +24,63 @@ def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result
     from prometheus_client import CollectorRegistry
 
     from learner.tiny import tiny_llama
-    from rollout.engine import SamplingParams, encode_prompt, load_engine
+    from rollout.engines import SamplingParams, encode_prompt
     from rollout.metrics import RolloutMetrics
     from rollout.reward_client import RewardClient
-    from rollout.runner import make_worker
+    from rollout.runner import build
     from rollout.settings import RolloutSettings
     from services.child_process import running
     from services.redis_server import EmbeddedRedis
     from services.schemas import PromptTask
     from services.streams import STREAM_PROMPTS, StreamProducer, connect
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as in the worker
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as in a replica
     tmp = Path(tempfile.mkdtemp(prefix="dapo-bench-"))
     model_dir = model_dir or tiny_llama(tmp / "m", hidden=256, layers=4, tokenizer=True)
-    engine = load_engine(model_dir, engine_kind, kv_cache_gib=1)
     params = SamplingParams(max_tokens=MAX_TOKENS, seed=0)
     texts = [f"Question {i}: what is {i} + {2 * i}?" for i in range(PROMPTS)]
-    prompts = [encode_prompt(engine.tokenizer, t) for t in texts]
-    engine.generate(prompts[:2], G, params)  # warm-up
-
-    def raw_round() -> float:
-        t0 = time.perf_counter()
-        n = 0
-        for k in range(0, PROMPTS, PER_CALL):
-            n += sum(len(c.token_ids) for o in engine.generate(prompts[k : k + PER_CALL], G, params) for c in o)
-        return n / (time.perf_counter() - t0)
 
     with EmbeddedRedis(tmp / "redis") as server, running("reward_server", "--workers", "1", "--log-level",
                                                           "WARNING") as (reward_url, _):  # fmt: skip
         client = connect(server.url)
         s = RolloutSettings(
             model_dir=model_dir, engine=engine_kind, redis_url=server.url, reward_url=reward_url,  # type: ignore[arg-type]
-            prompts_per_call=PER_CALL, max_response_tokens=MAX_TOKENS, seed=0, replica_id="bench",
+            prompts_per_call=PER_CALL, max_response_tokens=MAX_TOKENS, seed=0, replica_id="bench", dtype="fp32",
+            vllm_kv_cache_gib=1,
         )  # fmt: skip
-        # the replica's own loop: streaming for vLLM, engine calls for HF (rollout/runner.py)
-        worker = make_worker(s, client, engine, RewardClient(reward_url), RolloutMetrics(CollectorRegistry()), None)
+        # the replica's own loop: continuous batching for vLLM, engine calls for HF (rollout/runner.py)
+        replica, loop = build(s, client, RewardClient(reward_url), RolloutMetrics(CollectorRegistry()), None)
+        # the limit: the engine called in chunks (continuous batching steps the same vLLM engine)
+        engine = getattr(replica.membership.engine, "chunked", replica.membership.engine)
+        prompts = [encode_prompt(engine.tokenizer, t) for t in texts]
+        engine.generate(prompts[:2], G, params)  # warm-up
 
-        def worker_round() -> float:
+        def raw_round() -> float:
+            t0 = time.perf_counter()
+            n = 0
+            for k in range(0, PROMPTS, PER_CALL):
+                n += sum(len(c.token_ids) for o in engine.generate(prompts[k : k + PER_CALL], G, params) for c in o)
+            return n / (time.perf_counter() - t0)
+
+        def loop_round() -> float:
             tasks = [
                 PromptTask(task_id=f"{time.time_ns()}-{i}", prompt_id=str(i), prompt=t, ground_truth="1",
                            verifier="dapo_math", data_source="bench", n_samples=G)
                 for i, t in enumerate(texts)
             ]  # fmt: skip
             StreamProducer(client, STREAM_PROMPTS).publish_many(tasks)
-            before = worker.m.tokens._value.get()
+            before = replica.metrics.tokens._value.get()
             t0 = time.perf_counter()
             done = 0
             while done < PROMPTS:
-                done += worker.step()
-            return (worker.m.tokens._value.get() - before) / (time.perf_counter() - t0)
+                done += loop.step()
+            return (replica.metrics.tokens._value.get() - before) / (time.perf_counter() - t0)
 
-        worker_round()  # warm-up
+        loop_round()  # warm-up
         raw, ours = [], []
         for _ in range(3):
             raw.append(raw_round())
-            ours.append(worker_round())
+            ours.append(loop_round())
     what = f"{engine_kind}: {PROMPTS} prompts x {G} samples, <= {MAX_TOKENS} tokens, {PER_CALL} prompts/call"
     return [Result("rollout", what, max(ours), max(raw), "tokens/s", "raw engine.generate, same prompts", "≥ 0.9")]
 
@@ -86,8 +88,8 @@ def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result
 DTYPE_SCRIPT = """
 import json, sys, time
 if __name__ == "__main__":
-    from rollout.vllm_engine import VllmEngine
-    from rollout.engine import SamplingParams, encode_prompt
+    from rollout.engines.vllm_chunked import VllmEngine
+    from rollout.engines import SamplingParams, encode_prompt
     e = VllmEngine(sys.argv[1], kv_cache_gib=2, max_model_len=1024, dtype=sys.argv[2])
     ask = "What is {} + {}? Reply with 'Answer: <number>'."
     prompts = [encode_prompt(e.tokenizer, ask.format(i, 3 * i + 1)) for i in range(32)]
@@ -160,9 +162,9 @@ if __name__ == "__main__":
     from pathlib import Path
     import torch
     from safetensors.torch import load_file
-    from rollout.engine import SamplingParams, encode_prompt
-    from rollout.streaming import StreamingEngine
-    from rollout.vllm_engine import VllmEngine
+    from rollout.engines import SamplingParams, encode_prompt
+    from rollout.engines.continuous import ContinuousEngine
+    from rollout.engines.vllm_chunked import VllmEngine
     model, n, lo, hi, bound, every = sys.argv[1], *map(int, sys.argv[2:7])
     engine = VllmEngine(model, kv_cache_gib=2, max_model_len=1024, dtype="bf16")
     files = sorted(Path(model).glob("*.safetensors"))
@@ -174,20 +176,20 @@ if __name__ == "__main__":
     prompts = [encode_prompt(engine.tokenizer, f"What is {i} + {3 * i + 1}? Explain.") for i in range(n)]
     out = {}
     for mode in ("none", "keep", "recompute", "drain"):
-        stream = StreamingEngine(engine, update="keep" if mode == "none" else mode, seed=1)
-        stream.generate(prompts[:2], 1, SamplingParams(max_tokens=8))  # warm-up
+        batching = ContinuousEngine(engine, update="keep" if mode == "none" else mode, seed=1)
+        batching.generate(prompts[:2], 1, SamplingParams(max_tokens=8))  # warm-up
         t0 = last = time.perf_counter()
         nxt, tokens, loads, version = 0, 0, 0, engine.version
-        while nxt < n or stream.in_flight():
+        while nxt < n or batching.in_flight():
             due = mode != "none" and time.perf_counter() - last >= every
-            if due and not stream.draining:
+            if due and not batching.draining:
                 version += 1
-                stream.load_tensors(iter((other if version % 2 else state).items()), version)
+                batching.load_tensors(iter((other if version % 2 else state).items()), version)
                 last, loads = time.perf_counter(), loads + 1
-            while nxt < n and stream.in_flight() < bound and not (due and mode == "drain"):
-                stream.submit(str(nxt), prompts[nxt], 1, SamplingParams(max_tokens=lengths[nxt], ignore_eos=True))
+            while nxt < n and batching.in_flight() < bound and not (due and mode == "drain"):
+                batching.submit(str(nxt), prompts[nxt], 1, SamplingParams(max_tokens=lengths[nxt], ignore_eos=True))
                 nxt += 1
-            tokens += sum(len(c.token_ids) for _, o in stream.step() for c in o)
+            tokens += sum(len(c.token_ids) for _, o in batching.step() for c in o)
         out[mode] = {"tokens_per_s": tokens / (time.perf_counter() - t0), "loads": loads, "tokens": tokens}
     print("RESULT " + json.dumps(out))
 """
@@ -195,9 +197,9 @@ INFLIGHT = {"requests": 256, "lo": 16, "hi": 512, "bound": 32, "every_s": 3}
 
 
 def inflight_rows(model_dir: Path | None = None) -> list[Result]:
-    """The streaming replica's weight-update modes (rollout/streaming.py) on SmolLM2-135M bf16: generated tokens/s
+    """The weight-update modes of continuous batching (rollout/engines/continuous.py) on SmolLM2-135M bf16: tokens/s
     with new weights every few seconds, long-tailed lengths (log-uniform 16-512 tokens), 32 sequences in flight,
-    the same prompts and lengths for each mode, one engine. Limit: the same stream with no update at all."""
+    the same prompts and lengths for each mode, one engine. Limit: the same run with no update at all."""
     import json
     import subprocess
     import sys

@@ -96,7 +96,8 @@ def summarize(results: list[RunResult]) -> tuple[list[PresetSummary], list[Diffe
 
 
 def markdown(results: list[RunResult]) -> str:
-    """The table for the docs (docs/results/seeds.md): one line per run, one per preset (mean ± std), the differences."""
+    """The table for the docs (docs/results/seeds.md): one line per run, one per preset (mean ± std), the
+    differences."""
     rows, diffs = summarize(results)
     out = ["| preset | seed | final held-out avg@k | best |", "|---|---|---|---|"]
     out += [f"| {r.preset} | {r.seed} | {r.final:.3f} (v{r.final_version}) | {r.best:.3f} |" for r in results]

@@ -17,7 +17,7 @@ directory, and puts every dispatched prompt (task id) in exactly one place:
 It also checks that no batch id is in the weights twice and that no group is in two batches, and reports how old
 the trained tokens were: the version lag of every response token of the trained batches still in the stream (the
 learner's version at the update minus the version that sampled the token, from each sample's per-token versions),
-and how many samples spanned more than one version (a streaming replica loads weights in flight).
+and how many samples spanned more than one version (continuous batching loads weights in flight).
 The streams keep what the services' trimming settings keep: for a complete audit, run with trimming
 above the run's size (the chaos test does); anything trimmed is reported, not guessed.
 """

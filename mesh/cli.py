@@ -297,7 +297,7 @@ def evaluate(
     if as_json:  # stdout is the report alone: vLLM logs to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from mesh.layout import RunLayout
-    from rollout.engine import SamplingParams, load_engine
+    from rollout.engines import SamplingParams, load_engine
     from rollout.evaluate import evaluate as run_eval
     from rollout.evaluate import load_eval_items
     from rollout.reward_client import RewardClient

@@ -8,9 +8,9 @@ avg@k is the mean accuracy over the k samples of every prompt (the DAPO paper re
 pass@j (j = 1, 2, 4, ..., k) is the unbiased estimator of Chen et al. 2021 from the same k samples:
 1 - C(k-c, j) / C(k, j) per prompt with c correct, averaged over prompts (pass@k: any of k correct).
 Sampling is seeded per engine call, and the calls always hold PROMPTS_PER_CALL prompts (whoever evaluates:
-`dapo-mesh eval` or a replica during training), so the same seed, weights and items give the same samples
-and the same numbers. Every sample is scored by the reward server (`acc`: what training rewards, without
-the overlong shaping).
+`dapo-mesh eval` or a replica's seeded evaluation during training, rollout/evaluator.py), so the same seed, weights
+and items give the same samples and the same numbers. Every sample is scored by the reward server (`acc`: what
+training rewards, without the overlong shaping).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout.engine import Completion, Engine, SamplingParams, encode_prompt
+from rollout.engines.base import Completion, Engine, SamplingParams, encode_prompt
 from rollout.reward_client import RewardClient
 from services.datasets import DEFAULT_DATASET_CONFIG, Item, Template, load_source, read_items
 from services.schemas import ScoreItem

@@ -1,8 +1,12 @@
-"""Prometheus metrics of a rollout replica (dapo_rollout_*)."""
+"""Prometheus metrics of a rollout replica (dapo_rollout_*, and the held-out evaluation's dapo_eval_*)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rollout.engines.base import Completion
 
 
 class RolloutMetrics:
@@ -43,7 +47,7 @@ class RolloutMetrics:
         self.eval_version = Gauge("dapo_eval_version", "Policy version of the last held-out evaluation.", registry=r)
         self.eval_seconds = Gauge("dapo_eval_seconds", "Wall time of the last held-out evaluation.", registry=r)
         self.in_flight = Gauge(
-            "dapo_rollout_sequences_in_flight", "Sequences in the engine (streaming replica).", registry=r
+            "dapo_rollout_sequences_in_flight", "Sequences in the engine (continuous batching).", registry=r
         )
         self.idle_seconds = Counter("dapo_rollout_idle_seconds", "Seconds with no sequence in the engine.", registry=r)
         self.idle_fraction = Gauge(
@@ -71,3 +75,11 @@ class RolloutMetrics:
         self.weight_load_seconds = Histogram(
             "dapo_rollout_weight_load_seconds", "Seconds to load weights into the engine.", registry=r, buckets=buckets
         )
+
+    def generated(self, outs: Sequence[Sequence[Completion]]) -> int:
+        """Count training's samples (tokens, samples, truncations), whichever loop generated them; their tokens."""
+        n_tokens = sum(len(c.token_ids) for o in outs for c in o)
+        self.tokens.inc(n_tokens)
+        self.samples.inc(sum(len(o) for o in outs))
+        self.truncated.inc(sum(c.finish_reason == "length" for o in outs for c in o))
+        return n_tokens

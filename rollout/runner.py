@@ -3,7 +3,9 @@ more, the loop here.
 
     python -m rollout --model-dir DIR --redis-url URL --reward-url http://127.0.0.1:8001 ...
 
-Loads the engine and the newest weights, then runs `Worker.step()` (rollout/worker.py) until stopped.
+Loads the engine and the newest weights, then steps the replica's loop until stopped: continuous batching
+(rollout/continuous_loop.py) with vLLM, engine calls (rollout/chunked_loop.py) with HF, or vLLM and --no-stream.
+Both loops hold the same parts (rollout/replica.py).
 """
 
 from __future__ import annotations
@@ -14,15 +16,14 @@ from typing import Any
 
 import redis
 
-from rollout.engine import Engine, load_engine
+from rollout.chunked_loop import ChunkedLoop
+from rollout.continuous_loop import ContinuousLoop
+from rollout.engines import load_engine
 from rollout.metrics import RolloutMetrics
+from rollout.replica import Loop, Replica
 from rollout.reward_client import RewardClient
 from rollout.settings import RolloutSettings
-from rollout.stream_worker import StreamWorker
-from rollout.streaming import StreamingEngine
-from rollout.vllm_engine import VllmEngine
 from rollout.weight_receiver import WeightReceiver
-from rollout.worker import Worker
 from services.dtype import resolve_dtype
 from services.placement import place
 from services.service_process import ServiceProcess
@@ -38,27 +39,38 @@ def engine_placement(s: RolloutSettings) -> dict[str, Any]:
     return {"kv_cache_gib": s.vllm_kv_cache_gib, "eager": s.vllm_eager, "cpu_cores": s.cpu_cores}
 
 
-def make_worker(
+def build(
     s: RolloutSettings,
     client: redis.Redis,
-    engine: Engine,
     reward: RewardClient,
     metrics: RolloutMetrics,
     receiver: WeightReceiver | None,
-) -> Worker:
-    """vLLM: the streaming loop (continuous batching, in-flight weight updates); HF, or vLLM with --no-stream:
-    engine calls of `prompts_per_call` prompts, weights between calls."""
-    if isinstance(engine, VllmEngine) and s.stream:
-        stream = StreamingEngine(engine, update=s.weight_update, seed=s.seed)
-        log.info(
-            "streaming replica: up to %d sequences in flight, weight updates: %s", s.max_in_flight, s.weight_update
+) -> tuple[Replica, Loop]:
+    """The engine, the replica's parts and its loop. vLLM: continuous batching (in-flight weight updates); HF, or
+    vLLM with --no-stream: engine calls of `prompts_per_call` prompts, weights between calls."""
+    dtype = resolve_dtype(s.dtype, log)
+    if s.engine == "vllm" and s.stream:
+        engine = load_engine(
+            s.model_dir,
+            s.engine,
+            dtype=dtype,
+            batching="continuous",
+            update=s.weight_update,
+            seed=s.seed,
+            **engine_placement(s),
         )
-        return StreamWorker(s, client, stream, reward, metrics, receiver)
+        replica = Replica.build(s, client, engine, reward, metrics, receiver)
+        log.info(
+            "continuous batching: up to %d sequences in flight, weight updates: %s", s.max_in_flight, s.weight_update
+        )
+        return replica, ContinuousLoop(replica, engine)
+    chunked = load_engine(s.model_dir, s.engine, dtype=dtype, **engine_placement(s))
+    replica = Replica.build(s, client, chunked, reward, metrics, receiver)
     log.info("%s engine: %d prompts per engine call, weights loaded between calls", s.engine, s.prompts_per_call)
-    return Worker(s, client, engine, reward, metrics, receiver)
+    return replica, ChunkedLoop(replica, chunked)
 
 
-def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
+def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
     s = settings
     reward = RewardClient(
         s.reward_url,
@@ -71,26 +83,25 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Worker:
     with ServiceProcess("rollout", s, loading="loading the engine") as proc:
         try:
             metrics = RolloutMetrics(proc.registry)
-            engine = load_engine(s.model_dir, s.engine, dtype=resolve_dtype(s.dtype, log), **engine_placement(s))
             receiver = WeightReceiver(s, proc.client, metrics) if s.sync_broadcast else None
-            worker = make_worker(s, proc.client, engine, reward, metrics, receiver)
-            proc.ready_when(lambda: (worker.state == "ready", worker.state))
-            worker.sync_weights()  # a late joiner starts from the newest snapshot, then joins the next round
-            worker.warm_up()
-            metrics.version.set(engine.version)
-            worker.heartbeat()
+            replica, loop = build(s, proc.client, reward, metrics, receiver)
+            member = replica.membership
+            proc.ready_when(lambda: (member.state == "ready", member.state))
+            member.sync_weights()  # a late joiner starts from the newest snapshot, then joins the next round
+            member.warm_up()
+            metrics.version.set(member.engine.version)
+            member.heartbeat()
             heartbeat = threading.Thread(
-                target=worker.heartbeat_forever, args=(beat_stop,), name="heartbeat", daemon=True
+                target=member.heartbeat_forever, args=(beat_stop,), name="heartbeat", daemon=True
             )
             heartbeat.start()
             if receiver is not None:
                 threading.Thread(target=receiver.run, args=(beat_stop,), name="weight-sync", daemon=True).start()
-            log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, engine.version)
-            while not stop.is_set() and (s.max_prompts is None or worker.done < s.max_prompts):
-                worker.step()
-            if isinstance(worker, StreamWorker):
-                worker.stop()
-            return worker
+            log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, member.engine.version)
+            while not stop.is_set() and (s.max_prompts is None or replica.publisher.done < s.max_prompts):
+                loop.step()
+            loop.close()
+            return replica
         finally:
             beat_stop.set()
             if heartbeat is not None:  # it deletes its key on the way out: before the client closes

@@ -1,4 +1,4 @@
-"""Settings of a rollout replica (env DAPO_*, or --flags)."""
+"""Settings of a rollout replica (env DAPO_*, or --flags): `python -m rollout --help` lists them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 
-from rollout.streaming import UpdateMode
+from rollout.engines.base import UpdateMode
 from services.dtype import DtypeChoice
 from services.settings import RedisSettings, ServiceSettings
 
@@ -22,27 +22,34 @@ class RolloutSettings(ServiceSettings, RedisSettings):
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}", description="Unique name of this replica."
     )
     prompts_per_call: int = Field(8, ge=1, description="HF engine: prompts per engine call (x G samples each).")
+    # named `stream` before "stream" came to mean Redis Streams only; presets and scripts pass --no-stream
     stream: bool = Field(
         True,
-        description="vLLM: the streaming loop (continuous batching, in-flight weight updates); --no-stream: "
-        "engine calls of prompts_per_call prompts, weights between calls (the HF engine always).",
+        description="vLLM: continuous batching (prompts join the running batch, weights load with sequences in "
+        "flight); --no-stream: engine calls of prompts_per_call prompts, weights between calls (the HF engine "
+        "always).",
     )
     max_in_flight: int = Field(
-        64, ge=1, description="vLLM (streaming): sequences in the engine at most; prompts enter as room frees up."
+        64,
+        ge=1,
+        description="vLLM, continuous batching: sequences in the engine at most; prompts enter as room frees up.",
     )
     weight_update: UpdateMode = Field(
         "keep",
-        description="vLLM (streaming): what a weight load does to the sequences in flight: keep (continue "
+        description="vLLM, continuous batching: what a weight load does to the sequences in flight: keep (continue "
         "under the new weights, their K/V kept), recompute (re-encode their prefix first) or drain (stop admitting, "
         "load when none is in flight).",
     )
     eval_mode: Literal["shared", "stop"] = Field(
         "shared",
-        description="vLLM (streaming): the held-out evaluation beside training's sequences (shared), or "
+        description="vLLM, continuous batching: the held-out evaluation beside training's sequences (shared), or "
         "after draining them, chunked and seeded: the numbers `dapo-mesh eval` gives (stop).",
     )
     eval_share: float = Field(
-        0.25, gt=0, le=1, description="vLLM (streaming): the held-out evaluation's share of the sequences in flight."
+        0.25,
+        gt=0,
+        le=1,
+        description="vLLM, continuous batching: the held-out evaluation's share of the sequences in flight.",
     )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (DAPO: 1.0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (DAPO: 1.0).")

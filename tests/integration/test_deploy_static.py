@@ -65,8 +65,8 @@ def test_checkov_passes_the_rendered_overlay(overlay: str, tmp_path: Path) -> No
 def test_checkov_passes_the_dockerfiles_and_finds_no_secret(tmp_path: Path) -> None:
     images = checkov("-d", str(DEPLOY / "docker"), "--framework", "dockerfile")
     assert images["passed"] > 50 and images["failed"] == [], images
-    # the cpu-dev overlay's literal secrets are dev-only by design (docs: operations/deployment.md); the GPU overlay and compose take
-    # theirs from the environment or a Secret
+    # the cpu-dev overlay's literal secrets are dev-only by design (docs: operations/deployment.md); the GPU
+    # overlay and compose take theirs from the environment or a Secret
     gpu = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "k8s" / "overlays" / "gpu")], capture_output=True,
                          text=True, timeout=120).stdout  # fmt: skip
     target = tmp_path / "gpu.yaml"

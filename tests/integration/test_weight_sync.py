@@ -3,7 +3,6 @@ rollout replicas started as `python -m rollout`; the new weights must reach the 
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import subprocess
 import sys
@@ -37,7 +36,6 @@ from services.streams import (
 from services.weight_wire import KEY_SYNC_GROUP, KEY_WEIGHTS, Buckets, checksum, total
 
 TIMEOUT_S = 8.0
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 
 
 def start_replica(model_dir: Path, url: str, reward: str, name: str, engine: str, *extra: str,
@@ -121,7 +119,7 @@ def engine_follows_learner(client: redis.Redis, trainer: Trainer, version: int, 
 
 
 @pytest.mark.slow
-@needs_vllm
+@pytest.mark.vllm
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_broadcast_reaches_two_vllm_engines(tmp_path: Path, model_dir: Path, reward_url: str,
                                             server: EmbeddedRedis, dtype: str) -> None:  # fmt: skip

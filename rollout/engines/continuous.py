@@ -1,11 +1,11 @@
-"""A vLLM engine that never stops: continuous batching, weights loaded while sequences are in flight, and the
+"""Continuous batching on vLLM: an engine that never stops, weights loaded while sequences are in flight, and the
 policy version of every sampled token.
 
-    stream = StreamingEngine(VllmEngine(model_dir), update="keep")
-    stream.submit("t1", prompt_ids, n=8, params)          # G requests enter the running batch at the next step
-    for key, completions in stream.step():                 # one engine step; the groups whose G samples finished
-        ...                                                # completion.versions: ((version, n_tokens), ...)
-    stream.load_tensors(named, version=8)                  # between two steps, with sequences in flight
+    engine = ContinuousEngine(VllmEngine(model_dir), update="keep")   # or load_engine(..., batching="continuous")
+    engine.submit("t1", prompt_ids, n=8, params)         # G requests join the running batch at the next step
+    for key, completions in engine.step():                # one engine step; the groups whose G samples finished
+        ...                                               # completion.versions: ((version, n_tokens), ...)
+    engine.load_tensors(named, version=8)                 # between two steps, with sequences in flight
 
 This thread steps vLLM's engine (`LLMEngine`, in this process): between two steps the scheduler is paused with
 its requests kept, which is where weights load (what `AsyncLLM.pause_generation(mode="keep")` does for an engine
@@ -23,29 +23,23 @@ Every token records the version that sampled it: the engine runs one step at a t
 were sampled by the weights held during that step. A Completion carries them as run-lengths, oldest first.
 New requests carry a cache salt of the version they start under, so a prompt never continues from prefix blocks
 an older version computed (in `keep` mode those blocks stay cached for the sequences that own them).
-On CPU a per-request seed crashes vLLM (rollout/vllm_engine.py): a seed seeds the engine's random stream once.
+On CPU a per-request seed crashes vLLM (rollout/engines/vllm_chunked.py): a seed seeds torch's global generator
+once, which the engine samples from.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from rollout.engine import Completion, SamplingParams, counts
-from rollout.vllm_engine import VllmEngine, finish_reason, sampled_logprobs
+from rollout.engines.base import UPDATE_MODES, Completion, Engine, RequestRefused, SamplingParams, UpdateMode, counts
+from rollout.engines.vllm_chunked import VllmEngine, finish_reason, sampled_logprobs
 
 log = logging.getLogger(__name__)
-
-UpdateMode = Literal["keep", "recompute", "drain"]
-UPDATE_MODES: tuple[UpdateMode, ...] = ("keep", "recompute", "drain")
-
-
-class RequestRefused(ValueError):
-    """The engine refuses this prompt on its own (e.g. longer than the model's context): retrying cannot help."""
 
 
 @dataclass
@@ -76,12 +70,16 @@ class _Group:
     done: dict[int, Completion] = field(default_factory=dict)
 
 
-class StreamingEngine:
+class ContinuousEngine:
+    """The ContinuousBatching protocol (rollout/engines/base.py) on a VllmEngine's LLMEngine."""
+
     def __init__(self, engine: VllmEngine, *, update: UpdateMode = "keep", seed: int | None = None):
         if update not in UPDATE_MODES:
             raise ValueError(f"unknown weight-update mode {update!r}; use one of {UPDATE_MODES}")
-        self.vllm, self.update = engine, update
-        self.core = engine.llm.llm_engine
+        self.vllm: VllmEngine = engine
+        self.update: UpdateMode = update
+        # vLLM types step()'s outputs as a union with pooling outputs, which a generating engine never returns
+        self.core: Any = engine.llm.llm_engine
         self.tokenizer, self.dtype = engine.tokenizer, engine.dtype
         self.seqs: dict[str, _Sequence] = {}  # request id -> sequence in flight
         self.groups: dict[str, _Group] = {}  # key -> its G samples
@@ -94,6 +92,10 @@ class StreamingEngine:
     @property
     def version(self) -> int:
         return self.vllm.version
+
+    @property
+    def chunked(self) -> Engine:
+        return self.vllm
 
     def in_flight(self, priority: int | None = None) -> int:
         """Sequences submitted and not finished (of one priority, if given)."""
@@ -142,7 +144,7 @@ class StreamingEngine:
             seq = self.seqs.get(out.request_id)
             if seq is None:
                 continue
-            c = out.outputs[0]  # type: ignore[index]
+            c = out.outputs[0]
             seq.add(list(c.token_ids), sampled_logprobs(c), c.text, version)
             if not out.finished:
                 continue
@@ -175,11 +177,11 @@ class StreamingEngine:
     def load_weights(self, hf_dir: Path, version: int) -> None:
         self._load(lambda: self.vllm.load_weights(hf_dir, version, keep_running=self.update == "keep"))
 
-    def _load(self, load: Any) -> None:
+    def _load(self, load: Callable[[], None]) -> None:
         if self.draining:
             raise RuntimeError("drain mode: weights load once no sequence is in flight")
         t0 = time.perf_counter()
-        load()  # keep: the running requests stay; recompute: they are preempted and re-encoded (vllm_engine.py)
+        load()  # keep: the running requests stay; recompute: they are preempted and re-encoded (vllm_chunked.py)
         self.loads += 1
         log.debug(
             "version %d loaded with %d sequences in flight (%s) in %.2f s",

@@ -1,0 +1,219 @@
+"""The continuous-batching loop of a rollout replica (vLLM, the default): prompts join the running batch as room
+frees up, each group is scored and published as soon as its G samples finish, weights load while sequences are
+in flight.
+
+Per step: load new weights if any (`keep`/`recompute`: now, with sequences in flight; `drain`: once none is),
+publish the groups that finished (rollout/publisher.py: one scoring request, then XADD + XACK in one step), read
+as many prompts as fit under `max_in_flight` sequences and submit them, top up the held-out evaluation's share,
+and run one engine step (rollout/engines/continuous.py). Prompts in flight stay pending in Redis, kept alive: a
+replica killed at any point leaves them to be reclaimed. A reward outage holds the finished groups and admits
+nothing new until they are scored (as the chunked loop does); sequences in flight still finish. A prompt the
+engine refuses (longer than the model's context) is dead-lettered: retrying it cannot help.
+
+The held-out evaluation shares the engine (`--eval-mode shared`): its prompts enter beside training's, at most
+`eval_share` of the sequences in flight, so training's rollouts never stop for it. Weights may change while it
+runs: it is reported as the evaluation of the version it began with, with the mean and newest versions that
+sampled its tokens and the share sampled by later versions (EvalResult). Its samples are not seeded one by one
+(vLLM on CPU cannot seed a request); `--eval-mode stop` drains the engine and runs the chunked, seeded evaluation
+instead (rollout/evaluator.py), the numbers `dapo-mesh eval` gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from rollout.engines.base import Completion, ContinuousBatching, RequestRefused, encode_prompt
+from rollout.metrics import RolloutMetrics
+from rollout.publisher import Generated
+from rollout.replica import Replica
+from services.datasets import Item
+from services.schemas import PromptTask
+from services.streams import Delivery
+
+log = logging.getLogger(__name__)
+IDLE_WINDOW_S = 60.0  # dapo_rollout_idle_fraction: over the last minute
+EVAL_PRIORITY = 1  # a label in the engine's book-keeping: which sequences are the evaluation's
+
+
+@dataclass
+class _Evaluation:
+    version: int
+    items: list[Item]
+    t0: float = field(default_factory=time.perf_counter)
+    submitted: int = 0
+    outs: dict[int, list[Completion]] = field(default_factory=dict)
+
+
+class ContinuousLoop:
+    def __init__(self, replica: Replica, engine: ContinuousBatching):
+        self.r, self.engine, self.m = replica, engine, replica.metrics
+        self.flight: dict[str, tuple[Delivery[PromptTask], list[int]]] = {}  # engine key -> prompt, its tokens
+        self.finished: list[tuple[Delivery[PromptTask], list[int], list[Completion]]] = []  # generated, unpublished
+        self.evaluation: _Evaluation | None = None
+        self.waiting_load = False  # drain mode: new weights wait for the sequences in flight
+        self.eval_waiting = False  # --eval-mode stop: the evaluation waits for the sequences in flight
+        self.group_size = 1  # samples per prompt, as the last prompt asked: how many prompts fit
+        self.idle = True  # no sequence ran in the last engine step
+        self.window = IdleWindow(self.m)
+
+    def step(self) -> int:
+        self.r.membership.tokens_per_s = self.window.account(self.idle)
+        self.sync_weights()
+        published = self.publish_finished()
+        self.admit()
+        self.advance_evaluation()
+        self.idle = not self.engine.in_flight()  # then nothing runs until the next call (a read waited instead)
+        for key, outs in self.engine.step():
+            self._finished(key, outs)
+        self.m.in_flight.set(self.engine.in_flight())
+        return published
+
+    def close(self) -> None:
+        """Leave: the sequences in flight are dropped; their prompts stay pending for another replica."""
+        self.engine.abort()
+        self.flight.clear()
+
+    def sync_weights(self) -> None:
+        """keep/recompute: load now, sequences in flight; drain: stop admitting, load when none is in flight."""
+        if self.engine.draining:  # no load now, whatever arrives meanwhile: stop admitting once one waits
+            self.waiting_load = self.r.membership.weights_waiting()
+            return
+        self.waiting_load = False
+        self.r.membership.sync_weights()
+
+    # ---------------------------------------------------------------- training prompts
+
+    def admit(self) -> None:
+        """Read as many prompts as fit under the bound on sequences in flight; none while groups are held for a
+        reward outage or weights wait for a drain."""
+        r = self.r
+        if r.publisher.held is not None or self.finished or self.waiting_load or self.eval_waiting:
+            r.consumer.keep_alive()
+            if not self.engine.in_flight():
+                time.sleep(0.1)  # held for a reward outage, nothing to step: no busy loop
+            return
+        count = (r.s.max_in_flight - self.engine.in_flight()) // self.group_size
+        if count < 1:
+            r.consumer.keep_alive()  # the prompts in flight stay ours
+            return
+        idle = not self.engine.in_flight()
+        for d in r.consumer.read(count=count, block_ms=1000 if idle else 0):
+            task = d.message
+            key = f"t/{d.entry_id}"
+            if key in self.flight:
+                continue  # our own entry again (a replay after a restart of the consumer): it is in flight
+            prompt = r.prompt_ids(task, self.engine.tokenizer)
+            try:
+                self.engine.submit(key, prompt, task.n_samples, r.call_params([task]))
+            except RequestRefused as e:  # the engine refuses this prompt (too long for its context): not retried
+                log.error("prompt %s dead-lettered: the engine refused it: %s", task.task_id, e)
+                r.consumer.dead_letter([d], "engine_rejected", str(e)[:500])
+                continue
+            self.flight[key] = (d, prompt)
+            self.group_size = max(1, task.n_samples)
+
+    def _finished(self, key: str, outs: list[Completion]) -> None:
+        """A group's G samples are done: the evaluation's wait for its report, training's for the publisher."""
+        for c in outs:
+            n = len(c.versions) if c.versions else 1
+            self.m.versions_per_sample.observe(n)
+            if n > 1:
+                self.m.multi_version_samples.inc()
+        if key.startswith("e/"):
+            assert self.evaluation is not None
+            self.evaluation.outs[int(key.rsplit("/", 1)[1])] = outs
+            return
+        d, prompt = self.flight.pop(key)
+        self.finished.append((d, prompt, outs))
+        self.window.tokens(self.m.generated([outs]))
+
+    def publish_finished(self) -> int:
+        """The finished groups, scored in one request and published; groups held for a reward outage first (once
+        backed off), and nothing else while they stay held."""
+        published = self.r.publisher.retry_held()
+        if self.r.publisher.held is not None or not self.finished:
+            return published
+        done, self.finished = self.finished, []
+        gen = Generated([d for d, _, _ in done], [p for _, p, _ in done], [o for _, _, o in done], self.engine.version)
+        return published + self.r.publisher.publish(gen)
+
+    # ---------------------------------------------------------------- the held-out evaluation
+
+    def advance_evaluation(self) -> None:
+        """Start a due evaluation, submit its prompts as its share of the engine allows, report it once done."""
+        if self.evaluation is None and not self._start_evaluation():
+            return
+        ev, s = self.evaluation, self.r.s
+        assert ev is not None
+        if self.waiting_load:
+            return
+        share = max(s.eval_k, int(s.max_in_flight * s.eval_share))
+        while ev.submitted < len(ev.items) and self.engine.in_flight(EVAL_PRIORITY) + s.eval_k <= share:
+            prompt = encode_prompt(self.engine.tokenizer, ev.items[ev.submitted].prompt, s.chat_template)
+            params = self.r.evaluator.params()
+            self.engine.submit(f"e/{ev.version}/{ev.submitted}", prompt, s.eval_k, params, priority=EVAL_PRIORITY)
+            ev.submitted += 1
+        if len(ev.outs) == len(ev.items) and self.r.evaluator.retry_in() <= 0:
+            outs = [ev.outs[i] for i in range(len(ev.items))]
+            if self.r.evaluator.report(ev.items, outs, ev.version, ev.t0) is not None:
+                self.evaluation = None
+
+    def _start_evaluation(self) -> bool:
+        """An evaluation beside training has begun (`--eval-mode shared`); `stop` drains the engine instead, then
+        runs the chunked, seeded one at once."""
+        version, ev = self.engine.version, self.r.evaluator
+        if not ev.due(version):
+            return False
+        if self.r.s.eval_mode == "stop":  # stop the world: drain, then the chunked, seeded evaluation
+            self.eval_waiting = True
+            if not self.engine.in_flight():
+                ev.run_seeded(self.engine.chunked)  # `dapo-mesh eval`'s numbers for these weights and seed
+                self.eval_waiting = False
+            return False
+        items = ev.held_out(version)
+        if items is None:
+            return False
+        self.evaluation = _Evaluation(version, items)
+        return True
+
+
+class IdleWindow:
+    """Idle time (no sequence in the engine) and generation speed over the last minute, as running sums: not
+    summed again at every engine step."""
+
+    def __init__(self, metrics: RolloutMetrics):
+        self.m = metrics
+        self.last = time.monotonic()
+        self.busy: deque[tuple[float, float, bool]] = deque()  # (start, seconds, idle) over the window
+        self.window_tokens: deque[tuple[float, int]] = deque()
+        self.sums = [0.0, 0.0, 0.0]  # seconds, idle seconds, tokens in the window
+        self.tokens_per_s = 0.0
+
+    def tokens(self, n: int) -> None:
+        self.window_tokens.append((time.monotonic(), n))
+        self.sums[2] += n
+
+    def account(self, idle: bool) -> float:
+        """The time since the last call, idle or not; the generation speed over the window (tokens/s)."""
+        now = time.monotonic()
+        sums, sec = self.sums, now - self.last
+        self.busy.append((self.last, sec, idle))
+        sums[0] += sec
+        if idle:
+            sums[1] += sec
+            self.m.idle_seconds.inc(sec)
+        self.last = now
+        while self.busy and self.busy[0][0] < now - IDLE_WINDOW_S:
+            _, old, was = self.busy.popleft()
+            sums[0] -= old
+            sums[1] -= old if was else 0.0
+        while self.window_tokens and self.window_tokens[0][0] < now - IDLE_WINDOW_S:
+            sums[2] -= self.window_tokens.popleft()[1]
+        if sums[0] > 0:
+            self.m.idle_fraction.set(min(1.0, max(0.0, sums[1] / sums[0])))
+            self.tokens_per_s = sums[2] / sums[0]
+            self.m.tokens_per_second.set(self.tokens_per_s)
+        return self.tokens_per_s

@@ -1,0 +1,130 @@
+"""A replica's membership of the mesh: its heartbeat, and the weights it serves.
+
+    membership = Membership(settings, client, engine, metrics, receiver)
+    membership.sync_weights()       # a late joiner starts from the newest snapshot ...
+    membership.warm_up()            # ... ready once the engine has produced a token
+    threading.Thread(target=membership.heartbeat_forever, args=(stop,), daemon=True).start()
+    membership.sync_weights()       # in either loop, where weights may change: a verified broadcast round, or a
+                                    # newer snapshot (services/snapshots.py)
+
+The heartbeat (a Redis key with a TTL, ReplicaHeartbeat) says the version and checksum of the weights held, so
+the learner invites the replica to its broadcast group and the buffer knows how stale a group may be; it is sent
+again at once after every load, not a TTL/3 later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Literal
+
+import redis
+
+from rollout.engines.base import Engine, SamplingParams, encode_prompt
+from rollout.metrics import RolloutMetrics
+from rollout.settings import RolloutSettings
+from rollout.weight_receiver import WeightReceiver
+from services.schemas import ReplicaHeartbeat
+from services.snapshots import latest_snapshot
+from services.streams import REPLICA_KEY_PREFIX, RedisUnavailable, pack
+
+log = logging.getLogger(__name__)
+State = Literal["starting", "ready", "syncing", "draining"]  # ReplicaHeartbeat.state
+
+
+class Membership:
+    def __init__(
+        self,
+        s: RolloutSettings,
+        client: redis.Redis,
+        engine: Engine,
+        metrics: RolloutMetrics,
+        receiver: WeightReceiver | None = None,
+    ):
+        self.s, self.client, self.engine, self.m, self.receiver = s, client, engine, metrics, receiver
+        self.state: State = "starting"
+        self.tokens_per_s = 0.0  # the loop's generation speed, as the heartbeat reports it
+        self.checksum: int | None = None  # of the broadcast weights the engine holds (None: from a snapshot)
+        self.incarnation = receiver.incarnation if receiver is not None else uuid.uuid4().hex[:12]
+
+    # ---------------------------------------------------------------- the heartbeat
+
+    def heartbeat(self) -> None:
+        hb = ReplicaHeartbeat(
+            replica_id=self.s.replica_id,
+            host=self.s.host,
+            port=self.s.port,
+            weight_version=self.engine.version,
+            tokens_per_s=self.tokens_per_s,
+            state=self.state,
+            weight_checksum=self.checksum,
+            sync_broadcast=self.receiver is not None,
+            incarnation=self.incarnation,
+        )
+        self.client.set(REPLICA_KEY_PREFIX + self.s.replica_id, pack(hb), px=int(self.s.heartbeat_ttl_s * 1000))
+
+    def heartbeat_forever(self, stop: threading.Event) -> None:
+        while not stop.wait(self.s.heartbeat_ttl_s / 3):
+            try:
+                self.heartbeat()
+            except (RedisUnavailable, redis.RedisError) as e:
+                log.warning("heartbeat failed: %s", e)
+        self.client.delete(REPLICA_KEY_PREFIX + self.s.replica_id)
+
+    def warm_up(self) -> None:
+        """Ready means the engine has produced a token."""
+        ids = encode_prompt(self.engine.tokenizer, "Hello", self.s.chat_template)
+        self.engine.generate([ids], 1, SamplingParams(max_tokens=1))
+        self.state = "ready"
+
+    # ---------------------------------------------------------------- the weights
+
+    def sync_weights(self) -> bool:
+        """Load the newest weights now: a verified broadcast round, else a newer snapshot. The loop calls it where
+        a load is allowed (the chunked loop: between engine calls; continuous batching: between two steps)."""
+        if self.receiver is not None and self.receiver.ready is not None:
+            t0 = time.perf_counter()
+            got = self.receiver.take(self.engine.load_tensors)
+            if got is not None:
+                self._loaded(got.version, got.checksum, "broadcast", time.perf_counter() - t0, got.announced)
+                return True
+        newer = self.newer_snapshot()
+        if newer is None:
+            return False
+        path, version, written = newer
+        self.state = "syncing"
+        t0 = time.perf_counter()
+        self.engine.load_weights(path, version)
+        announced = time.monotonic() - max(0.0, time.time() - written)
+        self._loaded(version, None, f"snapshot {path.name}", time.perf_counter() - t0, announced)
+        return True
+
+    def weights_waiting(self) -> bool:
+        """Newer weights are there to load (drain mode stops admitting prompts while they wait)."""
+        return (self.receiver is not None and self.receiver.ready is not None) or self.newer_snapshot() is not None
+
+    def newer_snapshot(self) -> tuple[Path, int, float] | None:
+        """The learner's newest HF snapshot (folder, version, written at) if newer than the engine's weights; never
+        for a member of the broadcast group (it gets every version from it)."""
+        if self.s.weights_dir is None or (self.receiver is not None and self.receiver.state != "idle"):
+            return None
+        newest = latest_snapshot(self.s.weights_dir)
+        if newest is None or newest.version <= self.engine.version:
+            return None
+        return newest.path, newest.version, newest.written
+
+    def _loaded(self, version: int, checksum: int | None, source: str, seconds: float, announced: float) -> None:
+        if self.state == "syncing":
+            self.state = "ready"
+        self.checksum = checksum
+        self.m.version.set(version)
+        self.m.weight_load_seconds.observe(seconds)
+        self.m.weight_serve_seconds.observe(time.monotonic() - announced)
+        log.info("serving weights version %d (%s), loaded in %.2f s", version, source, seconds)
+        try:
+            self.heartbeat()  # the learner and the buffer see the new version now, not a TTL/3 later
+        except (RedisUnavailable, redis.RedisError) as e:
+            log.warning("heartbeat failed: %s", e)

@@ -1,0 +1,156 @@
+"""Generated groups out: scored by the reward server, published to dapo:rollouts, their prompts acknowledged.
+
+    publisher = Publisher(settings, consumer, reward, metrics)
+    publisher.publish(Generated(deliveries, prompts, outs, version))   # either loop, whenever groups are done
+    if publisher.held is not None: ...                                  # a reward outage: admit nothing new
+    publisher.retry_held()                                              # ... score them again once backed off
+
+One scoring request for all the samples, then one ScoredGroup per prompt, tagged with the policy version of the
+weights that generated it (and, from continuous batching, of every token: Sample schema 3's version_runs), is
+published and its prompt acknowledged in the same server-side step: a prompt is never acknowledged unpublished.
+If the reward server stays down past the retries, the groups are held (their prompts stay pending and are kept
+alive by the loop: no other replica reclaims them, their delivery count does not grow) and scored again with
+backoff; the loop reads nothing new meanwhile, so an outage never dead-letters a prompt. A prompt whose own
+scoring request the server refuses (4xx) is dead-lettered with the answer; `dapo-mesh redrive` puts it back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.engines.base import Completion
+from rollout.metrics import RolloutMetrics
+from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
+from rollout.settings import RolloutSettings
+from services.arrays import TokenIds
+from services.schemas import PromptTask, Sample, Score, ScoredGroup, ScoreItem
+from services.streams import STREAM_ROLLOUTS, Delivery, StreamConsumer
+
+log = logging.getLogger(__name__)
+REWARD_BACKOFF_S, REWARD_BACKOFF_MAX_S = 1.0, 30.0  # between scoring attempts while the reward server is down
+
+
+@dataclass(frozen=True)
+class Generated:
+    """Groups generated, until the reward server has scored them."""
+
+    deliveries: list[Delivery[PromptTask]]
+    prompts: list[list[int]]
+    outs: list[list[Completion]]
+    version: int  # of the weights that generated them (their first token, with continuous batching)
+
+    def part(self, i: int) -> Generated:
+        return Generated([self.deliveries[i]], [self.prompts[i]], [self.outs[i]], self.version)
+
+
+class Publisher:
+    def __init__(
+        self,
+        s: RolloutSettings,
+        consumer: StreamConsumer[PromptTask],
+        reward: RewardClient,
+        metrics: RolloutMetrics,
+    ):
+        self.s, self.consumer, self.reward, self.m = s, consumer, reward, metrics
+        self.held: Generated | None = None  # generated, held while the reward server is down
+        self.retry_at, self.backoff_s = 0.0, REWARD_BACKOFF_S
+        self.done = 0  # groups published
+
+    def retry_in(self) -> float:
+        """Seconds until the held groups are scored again (<= 0: now)."""
+        return self.retry_at - time.monotonic()
+
+    def retry_held(self) -> int:
+        """The held groups scored and published once their backoff is over; the groups published."""
+        if self.held is None or self.retry_in() > 0:
+            return 0
+        return self.publish(self.held)
+
+    def publish(self, gen: Generated) -> int:
+        """Score, then publish the groups and acknowledge their prompts in one step. A reward outage keeps the
+        prompts (held, retried with backoff: an outage is not the prompts' fault, so they are never dead-lettered
+        for it); a prompt the reward server rejects on its own is dead-lettered, the others go on."""
+        try:
+            try:
+                groups = self.score(gen)
+            except RewardRejected:
+                groups = self.score_one_by_one(gen)
+        except RewardUnavailable as e:
+            self.m.reward_failures.inc()
+            self.held = gen
+            self.retry_at = time.monotonic() + self.backoff_s
+            log.error("%s; %d prompts held, scoring again in %.0f s", e, len(gen.deliveries), self.backoff_s)
+            self.backoff_s = min(self.backoff_s * 2, REWARD_BACKOFF_MAX_S)
+            return 0
+        self.held, self.backoff_s = None, REWARD_BACKOFF_S
+        kept = [d for d in gen.deliveries if d.message.task_id in {g.group_id for g in groups}]
+        self.consumer.ack_and_publish([d.entry_id for d in kept], [(STREAM_ROLLOUTS, g) for g in groups])
+        self.m.groups.inc(len(groups))
+        self.done += len(groups)
+        return len(groups)
+
+    def score_one_by_one(self, gen: Generated) -> list[ScoredGroup]:
+        """After a 4xx for the whole call: each prompt's samples on their own; a prompt whose own request is
+        refused is dead-lettered with the server's answer. An outage on the way raises before anything is
+        dead-lettered, and the whole call is held."""
+        groups: list[ScoredGroup] = []
+        refused: list[tuple[Delivery[PromptTask], RewardRejected]] = []
+        for i, d in enumerate(gen.deliveries):
+            try:
+                groups += self.score(gen.part(i))
+            except RewardRejected as e:
+                refused.append((d, e))
+        for d, why in refused:
+            log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
+            self.consumer.dead_letter([d], "reward_rejected", str(why))
+        return groups
+
+    def score(self, gen: Generated) -> list[ScoredGroup]:
+        """One request to the reward server for every sample; raises RewardUnavailable / RewardRejected."""
+        tasks = [d.message for d in gen.deliveries]
+        items = [
+            ScoreItem(
+                id=f"{i}/{j}",
+                response=c.text,
+                ground_truth=t.ground_truth,
+                verifier=t.verifier,
+                response_tokens=len(c.token_ids),
+                max_response_tokens=self.s.max_response_tokens,
+            )
+            for i, (t, o) in enumerate(zip(tasks, gen.outs, strict=True))
+            for j, c in enumerate(o)
+        ]
+        t0 = time.perf_counter()
+        results = iter(self.reward.score(items))
+        self.m.reward_seconds.observe(time.perf_counter() - t0)
+        groups = []
+        for task, prompt, o in zip(tasks, gen.prompts, gen.outs, strict=True):
+            samples = [
+                Sample(
+                    response_token_ids=c.token_ids,
+                    response_text=c.text,
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                    temperature=self.s.temperature,
+                    top_p=self.s.top_p,
+                    **versions(c, gen.version),
+                )
+                for c in o
+            ]
+            scores = []
+            for _ in o:
+                r = next(results)
+                scores.append(Score(reward=r.score, acc=r.acc, overlong_penalty=r.overlong_penalty, pred=r.pred))
+            task = task.model_copy(update={"prompt_token_ids": TokenIds(prompt)})  # the learner trains on these
+            groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id=self.s.replica_id))
+        return groups
+
+
+def versions(c: Completion, version: int) -> dict[str, Any]:
+    """A sample's policy version (of its first token) and, from continuous batching, the version of every token."""
+    if not c.versions:
+        return {"policy_version": version}
+    return {"policy_version": c.versions[0][0], "version_runs": [list(r) for r in c.versions]}

@@ -1,0 +1,109 @@
+"""A rollout replica's parts that do not depend on how it batches, and the interface of its two loops.
+
+    replica = Replica.build(settings, client, engine, reward, metrics, receiver)
+    loop = ChunkedLoop(replica, engine)            # rollout/chunked_loop.py: engine calls, weights between them
+    loop = ContinuousLoop(replica, engine)         # rollout/continuous_loop.py: continuous batching (vLLM)
+    while running:
+        loop.step()
+    loop.close()
+
+    membership   the heartbeat and the weights served (rollout/membership.py)
+    publisher    scoring, publishing with the acknowledgement, the reward-outage hold, dead letters
+                 (rollout/publisher.py)
+    evaluator    the held-out evaluation beside training (rollout/evaluator.py)
+    consumer     the prompts (dapo:prompts, consumer group `rollout`): own pending entries first after a restart,
+                 then entries another replica left idle, then new ones
+
+Both loops hold the same parts, so the reward-outage hold, the sample metrics and the evaluation's postponement
+are written once; a loop only decides when prompts are read, generated and handed over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+
+from rollout.engines.base import Engine, SamplingParams, encode_prompt
+from rollout.evaluator import Evaluator
+from rollout.membership import Membership
+from rollout.metrics import RolloutMetrics
+from rollout.publisher import Publisher
+from rollout.reward_client import RewardClient
+from rollout.settings import RolloutSettings
+from rollout.weight_receiver import WeightReceiver
+from services.schemas import PromptTask
+from services.streams import GROUP_ROLLOUT, STREAM_PROMPTS, StreamConsumer
+
+
+class Loop(Protocol):
+    def step(self) -> int:
+        """One turn of the loop; the groups it published."""
+        ...
+
+    def close(self) -> None:
+        """Leave: whatever is in flight is dropped, its prompts stay pending for another replica."""
+        ...
+
+
+@dataclass
+class Replica:
+    s: RolloutSettings
+    consumer: StreamConsumer[PromptTask]
+    membership: Membership
+    publisher: Publisher
+    evaluator: Evaluator
+    metrics: RolloutMetrics
+
+    @classmethod
+    def build(
+        cls,
+        s: RolloutSettings,
+        client: redis.Redis,
+        engine: Engine,
+        reward: RewardClient,
+        metrics: RolloutMetrics,
+        receiver: WeightReceiver | None = None,
+    ) -> Replica:
+        consumer = StreamConsumer(
+            client,
+            STREAM_PROMPTS,
+            GROUP_ROLLOUT,
+            s.replica_id,
+            PromptTask,
+            claim_idle_ms=s.claim_idle_ms,
+            registry=metrics.registry,
+        )
+        return cls(
+            s,
+            consumer,
+            Membership(s, client, engine, metrics, receiver),
+            Publisher(s, consumer, reward, metrics),
+            Evaluator(s, client, reward, metrics),
+            metrics,
+        )
+
+    def call_params(self, tasks: list[PromptTask]) -> SamplingParams:
+        """How these training prompts are sampled (seeded by them, with --seed)."""
+        s = self.s
+        return seeded(
+            SamplingParams(s.temperature, s.top_p, s.max_response_tokens, s.seed), s.seed, [t.task_id for t in tasks]
+        )
+
+    def prompt_ids(self, task: PromptTask, tokenizer: Any) -> list[int]:
+        """The prompt's tokens: as the buffer sent them, else its text encoded (in the chat template, unless off)."""
+        if task.prompt_token_ids is not None:
+            return task.prompt_token_ids.tolist()
+        return encode_prompt(tokenizer, task.prompt or "", self.s.chat_template)
+
+
+def seeded(params: SamplingParams, seed: int | None, task_ids: list[str]) -> SamplingParams:
+    """With a seed, each engine call is seeded from the seed and its tasks: the same prompts and weights give the
+    same samples (a seeded run can be repeated), and no two calls share a random sequence."""
+    if seed is None:
+        return params
+    digest = hashlib.blake2b(f"{seed}:{','.join(task_ids)}".encode(), digest_size=4).digest()
+    return dataclasses.replace(params, seed=int.from_bytes(digest) >> 1)
