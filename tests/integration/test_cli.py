@@ -103,6 +103,7 @@ def test_status_shows_versions_sync_and_replicas(embedded_redis) -> None:
     assert [c.strip() for c in row.split("│")[1:6]] == ["r-7", "ready", "11", "555", "240"]
 
 
+@pytest.mark.slow
 def test_prepare_model_from_a_local_hf_folder(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM

@@ -284,6 +284,7 @@ def test_a_huge_ground_truth_does_not_stall_the_server(server: str) -> None:
     assert short["acc"] is True
 
 
+@pytest.mark.slow
 def test_readiness_answers_while_the_pool_is_saturated(server: str) -> None:
     """/readyz used to send its own check through the pool's queue: under load it waited behind every job and the
     probe failed on a healthy server. It answers from the pool's state now."""
@@ -304,6 +305,7 @@ def _status(pid: int, field: str) -> int:
     return int(line.split()[1])  # kB
 
 
+@pytest.mark.slow
 def test_workers_have_limits_and_no_secrets() -> None:
     """A verification that wants gigabytes (2^(2^33) is a 1 GB integer; 2.8 GB of address space unbounded) stays
     inside the worker's RLIMIT_AS and is answered; the workers never see the server's token."""

@@ -222,6 +222,7 @@ class SlowJoinWindow(WeightSender):
         return arrived
 
 
+@pytest.mark.slow
 def test_a_replica_that_joined_waits_for_a_late_roster(tmp_path: Path, model_dir: Path, reward_url: str,
                                                        server: EmbeddedRedis) -> None:  # fmt: skip
     """The roster may come a whole timeout after the announcement (the learner waits that long for a candidate
@@ -244,6 +245,7 @@ def test_a_replica_that_joined_waits_for_a_late_roster(tmp_path: Path, model_dir
         proc.wait(60)
 
 
+@pytest.mark.slow
 def test_a_replica_refuses_a_round_it_cannot_authenticate(tmp_path: Path, model_dir: Path, reward_url: str,
                                                          server: EmbeddedRedis) -> None:  # fmt: skip
     """The learner's store listens on its configured interface only, and signs the manifest and each round's

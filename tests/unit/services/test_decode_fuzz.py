@@ -5,6 +5,7 @@ bytes, `decode` returns a valid message or raises DecodeError — never another 
 from __future__ import annotations
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,6 +41,7 @@ def test_random_bytes(name: str, data: bytes) -> None:
     check({b"type": name.encode(), b"data": data}, name)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(name=st.sampled_from(TYPES), body=value)
 def test_random_msgpack_values(name: str, body: object) -> None:
