@@ -46,11 +46,16 @@ Service = Literal["reward", "buffer", "learner", "rollout"]
 SERVICES: tuple[Service, ...] = ("reward", "buffer", "learner", "rollout")
 
 
+# set on each section itself: pydantic merges model_config along the bases, and the service's class (a later base)
+# says extra="ignore"
+_SECTION_CONFIG = SettingsConfigDict(extra="forbid", validate_assignment=True)
+
+
 class _PresetSection(BaseSettings):
     """A service's settings as a preset section: the class's own fields and validators, filled only from the
     preset (no environment, no command line), and no key the class does not have."""
 
-    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True)
+    model_config = _SECTION_CONFIG
 
     @classmethod
     def settings_customise_sources(
@@ -65,19 +70,19 @@ class _PresetSection(BaseSettings):
 
 
 class RewardSection(_PresetSection, RewardSettings):
-    pass
+    model_config = _SECTION_CONFIG
 
 
 class BufferSection(_PresetSection, BufferSettings):
-    pass
+    model_config = _SECTION_CONFIG
 
 
 class LearnerSection(_PresetSection, LearnerSettings):
-    pass
+    model_config = _SECTION_CONFIG
 
 
 class RolloutSection(_PresetSection, RolloutSettings):
-    pass
+    model_config = _SECTION_CONFIG
 
 
 SECTIONS: dict[Service, type[_PresetSection]] = {
@@ -87,24 +92,65 @@ SECTIONS: dict[Service, type[_PresetSection]] = {
     "rollout": RolloutSection,
 }
 
-# What the mesh sets in each service from its own section and its wiring (mesh/commands.py): a service section
-# may not set these. Everything else in a service's settings is the preset's to choose.
-_WIRING = {"port", "host", "redis_url", "redis_password", "auth_token", "insecure"}
-_MESH_WANTS: dict[Service, set[str]] = {
-    "reward": _WIRING,
-    "buffer": _WIRING | {"run_dir", "dataset", "n_samples", "batch_size", "max_staleness"},
-    "learner": _WIRING
-    | {"model_dir", "run_dir", "max_batches", "minibatches", "lr", "dtype", "weight_sync", "sync_port"}
-    | {"sync_secret", "max_staleness", "hold_after_max", "ranks"},
-    "rollout": _WIRING
-    | {"engine", "model_dir", "reward_url", "weights_dir", "replica_id", "max_response_tokens", "dtype"}
-    | {"sync_broadcast", "sync_secret", "eval_every", "eval_data", "eval_size", "eval_k"},
+# What the mesh sets in each service, and from which [mesh] field (None: the mesh's wiring: ports, paths, URLs,
+# ids): a service section may not set these. Everything else in a service's settings is the preset's to choose,
+# but a secret, which travels in the environment only.
+_WIRING: dict[str, str | None] = dict.fromkeys(["port", "host", "redis_url", "insecure", "run_dir", "model_dir"])
+_FROM_MESH: dict[Service, dict[str, str | None]] = {
+    "reward": {},
+    "buffer": {
+        "dataset": "dataset",
+        "n_samples": "n_samples",
+        "batch_size": "batch_size",
+        "max_staleness": "max_staleness",
+    },
+    "learner": {
+        "max_batches": "steps",
+        "minibatches": "minibatches",
+        "lr": "lr",
+        "dtype": "dtype",
+        "weight_sync": "transport",
+        "sync_port": None,
+        "max_staleness": "max_staleness",
+        "hold_after_max": None,
+        "ranks": "learner_ranks",
+    },
+    "rollout": {
+        "engine": "engine",
+        "max_response_tokens": "max_response_tokens",
+        "dtype": "dtype",
+        "sync_broadcast": "transport",
+        "reward_url": None,
+        "weights_dir": None,
+        "replica_id": None,
+        "eval_every": "eval_every",
+        "eval_data": None,
+        "eval_size": "eval_size",
+        "eval_k": "eval_k",
+    },
+}
+MESH_FIELD_OF: dict[Service, dict[str, str | None]] = {
+    name: {k: v for k, v in (_WIRING | wants).items() if k in SECTIONS[name].model_fields}
+    for name, wants in _FROM_MESH.items()
+}
+MESH_SETS: dict[Service, frozenset[str]] = {name: frozenset(keys) for name, keys in MESH_FIELD_OF.items()}
+SECRETS: dict[Service, frozenset[str]] = {
+    name: frozenset(k for k, f in cls.model_fields.items() if "SecretStr" in str(f.annotation))
+    for name, cls in SECTIONS.items()
 }
 
 
-MESH_SETS: dict[Service, frozenset[str]] = {
-    name: frozenset(wants & set(SECTIONS[name].model_fields)) for name, wants in _MESH_WANTS.items()
-}
+def _owned(name: Service, keys: list[str]) -> str:
+    """Where each refused key is set instead: `lr` -> "[mesh] lr", `weight_sync` -> "[mesh] transport"."""
+    said = []
+    for k in keys:
+        if k in SECRETS[name]:
+            said.append(f"{k}: a secret, given in the environment (DAPO_{k.upper()}), never in a preset")
+        elif (field := MESH_FIELD_OF[name][k]) is not None:
+            said.append(f"{k}: set [mesh] {field}")
+        else:
+            said.append(f"{k}: the mesh's wiring")
+    return "; ".join(said)
 
 
 def _near(bad: list[str], allowed: set[str]) -> str:
@@ -180,12 +226,8 @@ class MeshConfig(BaseModel):
             fields = set(SECTIONS[name].model_fields)
             if bad := sorted(set(values) - fields):
                 raise ValueError(f"[{name}] has no setting {bad}; {_near(bad, fields)}")
-            if owned := sorted(set(values) & MESH_SETS[name]):
-                raise ValueError(
-                    f"[{name}] sets {owned}, which the mesh sets (from [mesh] or its wiring); "
-                    + "set it in [mesh]"
-                    + ("" if set(owned) <= set(cls.model_fields) else ", or the environment for a secret")
-                )
+            if owned := sorted(set(values) & (MESH_SETS[name] | SECRETS[name])):
+                raise ValueError(f"[{name}] sets {owned}, which the mesh sets: {_owned(name, owned)}")
         return data
 
     @model_validator(mode="after")

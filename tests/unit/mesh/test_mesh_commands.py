@@ -14,7 +14,7 @@ from buffer.settings import BufferSettings
 from learner.settings import LearnerSettings
 from mesh.cli import app, mesh_config
 from mesh.commands import SYNC_PORT, ServiceCommand, service_commands, service_names, service_values, split_cores
-from mesh.config import MESH_SETS, MeshConfig, PresetError, load_preset
+from mesh.config import MESH_SETS, LearnerSection, MeshConfig, PresetError, load_preset
 from mesh.layout import RunLayout
 from reward_server.settings import RewardSettings
 from rollout.settings import RolloutSettings
@@ -97,14 +97,25 @@ def test_a_section_reaches_its_service_and_cannot_set_what_the_mesh_sets(tmp_pat
     cfg = MeshConfig(run_dir=tmp_path, lr=1e-3, learner={"clip_high": 0.3}, reward={"workers": 3})  # type: ignore[arg-type]
     cmds = {c.name: parsed(c) for c in service_commands(cfg, MODEL, URL, ports(cfg))}
     assert (cmds["learner"].lr, cmds["learner"].clip_high, cmds["reward"].workers) == (1e-3, 0.3, 3)
-    # one value, one place: the learning rate is [mesh]'s, the batch size too; a secret is never in a preset
-    for section, key, value in (("learner", "lr", 5e-4), ("buffer", "batch_size", 2), ("rollout", "auth_token", "t")):
-        with pytest.raises(ValidationError, match=rf"\[{section}\] sets \['{key}'\], which the mesh sets"):
+    # one value, one place: what [mesh] decides is set there (the message names the field), the wiring is the
+    # mesh's, and a secret is given in the environment, never in a preset
+    refused = (
+        ("learner", "lr", 5e-4, "lr: set \\[mesh\\] lr"),
+        ("learner", "ranks", 2, "ranks: set \\[mesh\\] learner_ranks"),
+        ("buffer", "batch_size", 2, "batch_size: set \\[mesh\\] batch_size"),
+        ("rollout", "reward_url", "http://x", "reward_url: the mesh's wiring"),
+        ("rollout", "reward_token", "t", "reward_token: a secret, given in the environment \\(DAPO_REWARD_TOKEN\\)"),
+        ("learner", "auth_token", "t", "auth_token: a secret"),
+    )
+    for section, key, value, why in refused:
+        with pytest.raises(ValidationError, match=rf"\[{section}\] sets \['{key}'\], which the mesh sets: {why}"):
             MeshConfig(run_dir=tmp_path, **{section: {key: value}})
     with pytest.raises(
         ValidationError, match=r"\[learner\] has no setting \['clip_hihg'\]; did you mean \[.*'clip_high'"
     ):
         MeshConfig(learner={"clip_hihg": 0.3})  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="clip_hihg"):  # a section built alone refuses a typo too
+        LearnerSection(clip_hihg=0.3)  # type: ignore[call-arg]
 
 
 def test_every_name_the_mesh_sets_is_a_setting_of_that_service(tmp_path: Path) -> None:
