@@ -21,6 +21,20 @@ import torch
 
 DEFAULT_CHUNK = 1024  # positions per chunk: 1024 x 49,152 fp32 logits = 200 MB at most at any time
 
+# Config attributes of model families whose logits are not the lm_head's output, and the value at which each
+# changes nothing: Gemma 2/3 soft-cap them (tanh(z / c) * c), Cohere multiplies them by `logit_scale`, Granite
+# divides them by `logits_scaling`. vLLM applies these; a log-prob taken from the head alone would disagree.
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+
+def logits_transform(config: Any) -> str | None:
+    """The name of the config attribute by which this model transforms its logits after the head, or None."""
+    for name, neutral in LOGIT_TRANSFORMS.items():
+        value = getattr(config, name, neutral)
+        if value is not None and value != neutral:
+            return name
+    return None
+
 
 def chunked_logprobs(
     hidden: torch.Tensor,

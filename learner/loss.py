@@ -7,13 +7,16 @@ Per token, with ratio r = exp(clamp(logp - old_logp, -20, 20)) and advantage A:
 
 then, optionally, times truncated importance weights (rollout/learner mismatch), and aggregated:
 
-    token-mean               sum of l over every response token / global_tokens     (DAPO Eq. 8)
-    seq-mean-token-mean      mean over sequences of each sequence's token mean       (GRPO)
-    seq-mean-token-sum-norm  sum of l / (global_seqs * norm_len)                      (Dr.GRPO)
+    token-mean               sum of l over every loss token / global_tokens          (DAPO Eq. 8)
+    seq-mean-token-mean      sum over sequences of each one's token mean / global_seqs  (GRPO)
+    seq-mean-token-sum-norm  sum of l / (global_seqs * norm_len)                      (Dr.GRPO, arXiv 2503.20783)
 
 `global_tokens` / `global_seqs` are the counts of the whole batch that makes one optimizer step, so
 splitting it into micro-batches (or data-parallel ranks) and summing their losses gives the same
-loss and the same gradient. No KL term (DAPO §2.3).
+loss and the same gradient; `global_seqs` counts the sequences with at least one loss token (a sample the
+overlong filter or token-mask left without one adds nothing, so it must not dilute the others). Dr.GRPO's
+`norm_len` is a constant, the generation budget L_max: a divisor that follows the batch's padded width would
+change the effective learning rate with every batch's longest prompt. No KL term (DAPO §2.3).
 """
 
 from __future__ import annotations
@@ -65,10 +68,12 @@ def policy_loss(
         loss = (per_token * mask).sum() / denom
     elif agg == "seq-mean-token-mean":
         seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        loss = seq.sum() / (global_seqs if global_seqs is not None else logp.shape[0])
+        loss = seq.sum() / (global_seqs if global_seqs is not None else (mask.sum(-1) > 0).sum().clamp(min=1))
     elif agg == "seq-mean-token-sum-norm":
-        n = norm_len if norm_len is not None else logp.shape[-1]
-        loss = (per_token * mask).sum() / ((global_seqs if global_seqs is not None else logp.shape[0]) * n)
+        if norm_len is None:
+            raise ValueError("seq-mean-token-sum-norm (Dr.GRPO) needs norm_len, a constant: the generation budget")
+        seqs = global_seqs if global_seqs is not None else (mask.sum(-1) > 0).sum().clamp(min=1)
+        loss = (per_token * mask).sum() / (seqs * norm_len)
     else:
         raise ValueError(f"unknown agg {agg!r}")
 

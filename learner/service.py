@@ -149,7 +149,7 @@ class Learner:
         if s.record_batches:  # before the update is reported anywhere: a replay holds every update the run made
             record.record_batch(s.run_dir, state.version, batch)
         lag = max(0, state.version - batch.min_version)
-        state.advance(batch.batch_id, s.minibatches, digest)
+        state.advance(batch.batch_id, int(m.get("optimizer_steps", 0)), digest)  # the steps taken, not configured
         self.done.add(digest)
         self.m.record(m, state.version, lag)
         snapshot = None

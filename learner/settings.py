@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.dtype import DtypeChoice
 from services.settings import RedisSettings, ServiceSettings
+
+RENAMED = {"seq-tis": "seq-geo-tis"}  # an off-policy mode's old name (in an old preset) -> its name now
 
 
 class LearnerSettings(ServiceSettings, RedisSettings):
@@ -27,7 +29,10 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     )
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After the warm-up (DAPO: constant).")
     lr_decay_batches: int | None = Field(
-        None, ge=1, description="Cosine: batches to decay over after the warm-up (unset: --max-batches)."
+        None,
+        ge=1,
+        description="Cosine: batches to decay over after the warm-up (unset: --max-batches minus the warm-up, so "
+        "the last batch reaches --lr-min-ratio's end of the curve, as get_cosine_schedule_with_warmup).",
     )
     lr_min_ratio: float = Field(0.0, ge=0, le=1, description="Cosine: the final LR as a fraction of --lr.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (DAPO: 0.1).")
@@ -56,14 +61,24 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     clip_high: float = Field(0.28, gt=0, description="epsilon_high of clip-higher (= clip_low: no clip-higher).")
     clip_c: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="Loss aggregation: DAPO token-mean, GRPO seq-mean-token-mean, Dr.GRPO."
+        "token-mean",
+        description="Loss aggregation: token-mean (DAPO: / the mini-batch's loss tokens), seq-mean-token-mean (GRPO: "
+        "each sample's token mean / the samples with a loss token), seq-mean-token-sum-norm (Dr.GRPO: / samples x "
+        "--max-response-tokens, a constant).",
+    )
+    max_response_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="The rollouts' generation budget L_max: Dr.GRPO's constant divisor (seq-mean-token-sum-norm). "
+        "dapo-mesh up sets it from [mesh] max_response_tokens.",
     )
     normalize_std: bool = Field(True, description="Divide advantages by the group std (False: Dr.GRPO).")
     overlong_filter: bool = Field(False, description="Mask truncated samples out of the loss.")
-    off_policy: Literal["off", "token-tis", "token-mask", "seq-tis"] = Field(
+    off_policy: Literal["off", "token-tis", "token-mask", "seq-geo-tis"] = Field(
         "off",
         description="Correction of stale samples, weight pi_prox/pi_behav (learner/offpolicy.py): off, "
-        "token-tis (truncated at C), token-mask (0 outside [1/C, C]), seq-tis (geometric mean per sample, at C).",
+        "token-tis (truncated at C), token-mask (0 outside [1/C, C]), seq-geo-tis (the geometric mean of a "
+        "sample's token weights, truncated at C; was seq-tis).",
     )
     off_policy_cap: float = Field(2.0, gt=1, description="C of the off-policy correction.")
     max_staleness: int | None = Field(
@@ -130,7 +145,26 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     def _reweight_needs_a_correction(self) -> Self:
         if self.max_staleness is not None and self.stale_groups == "reweight" and self.off_policy == "off":
             raise ValueError(
-                "stale_groups reweight: set off_policy (token-tis, token-mask or seq-tis) to reweight with"
+                "stale_groups reweight: set off_policy (token-tis, token-mask or seq-geo-tis) to reweight with"
+            )
+        return self
+
+    @field_validator("off_policy", mode="before")
+    @classmethod
+    def _renamed(cls, v: object) -> object:
+        if isinstance(v, str) and v in RENAMED:
+            raise ValueError(
+                f"off_policy {v!r} is now {RENAMED[v]!r} (the geometric mean of a sample's token weights, not "
+                "sequence-level IS): set that"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _dr_grpo_has_a_budget(self) -> Self:
+        if self.loss_agg == "seq-mean-token-sum-norm" and self.max_response_tokens is None:
+            raise ValueError(
+                "loss_agg seq-mean-token-sum-norm (Dr.GRPO) divides by a constant: set max_response_tokens (the "
+                "rollouts' generation budget)"
             )
         return self
 

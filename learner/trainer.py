@@ -26,7 +26,7 @@ import torch
 
 from learner.advantages import group_advantages
 from learner.batching import BatchTensors, minibatches, to_tensors, token_microbatches
-from learner.logprobs import chunked_logprobs
+from learner.logprobs import chunked_logprobs, logits_transform
 from learner.loss import LOSS_METRICS, policy_loss, token_logprobs_and_entropy
 from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights, token_versions
 from learner.parallel import all_sum, padded, split_rows, world
@@ -70,6 +70,13 @@ class Trainer:
         pad = getattr(config, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else getattr(config, "eos_token_id", None) or 0)
         self.tokenizer = self._tokenizer()
+        # the chunked log-probs apply the lm_head to the hidden states themselves, right only where the logits are
+        # the head's output: ZeRO-3 (only a module call gathers the head) and a model that transforms its logits
+        # after the head (soft-capping, a scale) take the model's own forward instead
+        transform = logits_transform(config)
+        self.full_logits = settings.zero_stage == 3 or transform is not None
+        if transform is not None:
+            log.info("%s: log-probs from the model's full forward (logits transformed after the head)", transform)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
         ds_config = {
@@ -155,11 +162,11 @@ class Trainer:
         module = self.engine.module
         ids = part.input_ids.to(self.device)
         mask = part.attention_mask.to(self.device)
-        if self.s.zero_stage == 3:  # partitioned weights: only a module call gathers the lm_head, so full logits
+        if self.full_logits:  # see __init__: the model's own forward, and its logits
             logits = self.engine(input_ids=ids, attention_mask=mask).logits
-            lp, ent = token_logprobs_and_entropy(
-                logits / part.temperature.to(logits).view(-1, 1, 1), ids, with_entropy=with_entropy
-            )
+            # in fp32, as the chunked path: a bf16 temperature is rounded (0.7 -> 0.6992), and so is the quotient
+            temps = part.temperature.to(logits.device, torch.float32).view(-1, 1, 1)
+            lp, ent = token_logprobs_and_entropy(logits.float() / temps, ids, with_entropy=with_entropy)
             keep = only.to(lp)
             return lp * keep, None if ent is None else ent * keep
         hidden = module.get_decoder()(input_ids=ids, attention_mask=mask)[0]
@@ -208,9 +215,10 @@ class Trainer:
             tokens = float(t.loss_mask[mb].sum())  # the whole mini-batch's, on every rank (each holds the batch)
             if tokens == 0:  # every sample of this mini-batch filtered out
                 continue
+            seqs = int((t.loss_mask[mb].sum(-1) > 0).sum())  # samples with a loss token left (loss.py)
             for idx in self.units(mb, t):
                 part = t.select(mb[:1] if idx is None else idx)  # None: zero-weighted, as many calls as the others
-                m, n = self._micro_step(part, tokens, len(mb), norm_len=t.input_ids.shape[1], weight=idx is not None)
+                m, n = self._micro_step(part, tokens, seqs, weight=idx is not None)
                 if idx is not None:
                     sums += torch.tensor([m[k] * n for k in STEP_METRICS] + [n], dtype=torch.float64)
             grad_norms.append(self._step())
@@ -223,6 +231,7 @@ class Trainer:
             "tokens_per_s": t.response_tokens / seconds,
             "response_tokens": float(t.response_tokens),
             "grad_norm": max(grad_norms) if grad_norms else 0.0,
+            "optimizer_steps": float(len(grad_norms)),  # fewer than --minibatches for a small or filtered batch
             "lr": lr,
             "reward_mean": float(t.rewards.mean()),
             "acc_mean": sum(sc.acc for g in batch.groups for sc in g.scores) / max(1, len(t)),
@@ -242,7 +251,7 @@ class Trainer:
             batches_done,
             warmup=s.warmup_batches,
             schedule=s.lr_schedule,
-            decay=s.lr_decay_batches or s.max_batches,
+            decay=s.lr_decay_batches or (None if s.max_batches is None else max(1, s.max_batches - s.warmup_batches)),
             min_ratio=s.lr_min_ratio,
         )
         for g in self.optimizer.param_groups:
@@ -274,7 +283,7 @@ class Trainer:
         self._clip_norm = float(norm)
 
     def _micro_step(
-        self, part: BatchTensors, tokens: float, seqs: int, norm_len: int, weight: bool = True
+        self, part: BatchTensors, tokens: float, seqs: int, weight: bool = True
     ) -> tuple[dict[str, float], float]:
         """Forward and backward of one micro-batch. The loss is scaled by the world size (DeepSpeed averages the
         ranks' gradients; each loss is already a share of the whole mini-batch's); `weight` False: by 0."""
@@ -292,7 +301,7 @@ class Trainer:
             agg=self.s.loss_agg,
             global_tokens=tokens,
             global_seqs=seqs,
-            norm_len=norm_len,
+            norm_len=self.s.max_response_tokens,
             is_weights=None if part.is_weights is None else part.is_weights.to(dev),
         )
         self.engine.backward(loss * (self.world if weight else 0.0), scale_wrt_gas=False)

@@ -95,6 +95,7 @@ def service_values(cfg: MeshConfig, model_dir: Path, ports: Mapping[str, int]) -
             "max_staleness": cfg.max_staleness,
             "hold_after_max": True,
             "ranks": cfg.learner_ranks,
+            "max_response_tokens": cfg.max_response_tokens,  # Dr.GRPO's constant divisor
             "seed": cfg.seed,
             "cpu_cores": cores[0] if cores else None,
         },

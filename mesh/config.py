@@ -114,6 +114,7 @@ _FROM_MESH: dict[Service, dict[str, str | None]] = {
         "max_staleness": "max_staleness",
         "hold_after_max": None,
         "ranks": "learner_ranks",
+        "max_response_tokens": "max_response_tokens",
     },
     "rollout": {
         "engine": "engine",

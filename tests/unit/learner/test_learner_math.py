@@ -99,8 +99,9 @@ def random_case(seed: int = 0, b: int = 6, t: int = 12):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_policy_loss_matches_reference(agg: str, seed: int) -> None:
     logp, old, adv, mask = random_case(seed)
-    loss, _ = policy_loss(logp, old, adv, mask, agg=agg)  # type: ignore[arg-type]
-    assert loss.item() == pytest.approx(ref_loss(logp, old, adv, mask, agg), abs=1e-6)
+    budget = 16  # Dr.GRPO's constant (the generation budget), not the batch's padded width 12
+    loss, _ = policy_loss(logp, old, adv, mask, agg=agg, norm_len=budget)  # type: ignore[arg-type]
+    assert loss.item() == pytest.approx(ref_loss(logp, old, adv, mask, agg, norm_len=budget), abs=1e-6)
 
 
 def test_policy_loss_other_clip_settings_and_is_weights() -> None:
@@ -133,7 +134,7 @@ def test_clip_metrics_count_the_right_tokens() -> None:
 def test_micro_batching_gives_the_same_loss_and_gradient(agg: str) -> None:
     logp, old, adv, mask = random_case(6)
     full_lp = logp.clone().requires_grad_(True)
-    full, _ = policy_loss(full_lp, old, adv, mask, agg=agg)  # type: ignore[arg-type]
+    full, _ = policy_loss(full_lp, old, adv, mask, agg=agg, norm_len=16)  # type: ignore[arg-type]
     full.backward()
 
     split_lp = logp.clone().requires_grad_(True)
@@ -141,12 +142,31 @@ def test_micro_batching_gives_the_same_loss_and_gradient(agg: str) -> None:
     for part in (slice(0, 1), slice(1, 4), slice(4, 6)):  # uneven micro-batches
         loss, _ = policy_loss(
             split_lp[part], old[part], adv[part], mask[part], agg=agg,  # type: ignore[arg-type]
-            global_tokens=mask.sum().item(), global_seqs=logp.shape[0], norm_len=logp.shape[1],
+            global_tokens=mask.sum().item(), global_seqs=logp.shape[0], norm_len=16,
         )  # fmt: skip
         loss.backward()
         total = total + loss.detach()
     assert total.item() == pytest.approx(full.item(), abs=1e-6)
     assert torch.allclose(split_lp.grad, full_lp.grad, atol=1e-6)  # type: ignore[arg-type]
+
+
+def test_dr_grpo_needs_a_constant_divisor() -> None:
+    logp, old, adv, mask = random_case(8)
+    with pytest.raises(ValueError, match="norm_len, a constant"):
+        policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum-norm")
+
+
+def test_seq_mean_counts_only_sequences_with_a_loss_token() -> None:
+    """A row the overlong filter (or token-mask) emptied adds nothing to the loss, and no sequence to its divisor:
+    the other rows' loss and gradient are what they are without it."""
+    logp, old, adv, mask = random_case(9)
+    emptied = mask.clone()
+    emptied[2] = 0
+    keep = [i for i in range(len(mask)) if i != 2]
+    for agg in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        with_row, _ = policy_loss(logp, old, adv, emptied, agg=agg, norm_len=16)  # type: ignore[arg-type]
+        without, _ = policy_loss(logp[keep], old[keep], adv[keep], mask[keep], agg=agg, norm_len=16)  # type: ignore[arg-type]
+        assert with_row.item() == pytest.approx(without.item(), abs=1e-7), agg
 
 
 def test_masked_tokens_do_not_matter() -> None:

@@ -4,9 +4,11 @@ token, on ragged masks and with weights far outside the caps."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from learner.offpolicy import MODES, gap_by_lag, gap_metrics, importance_weights, token_versions
 
@@ -41,7 +43,7 @@ def ref_weight(mode: str, prox: list[list[float]], behav: list[list[float]], mas
     if mode == "token-mask":
         return w(t) if 1 / CAP <= w(t) <= CAP else 0.0
     logs = [math.log(w(j)) for j in range(len(mask[i])) if mask[i][j]]
-    return min(math.exp(sum(logs) / len(logs)), CAP)  # seq-tis: the geometric mean
+    return min(math.exp(sum(logs) / len(logs)), CAP)  # seq-geo-tis: the geometric mean
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -56,7 +58,7 @@ def test_weights_match_the_reference(mode: str) -> None:
     if mode in ("token-tis", "token-mask"):
         assert bool(bound[0, 1]) and got[0, 1].item() == (CAP if mode == "token-tis" else 0.0)
         assert bool(bound[1, 2]) == (mode == "token-mask")  # far below 1/C: masked, not truncated
-    if mode == "seq-tis":  # one weight per sequence, the same for each of its tokens
+    if mode == "seq-geo-tis":  # one weight per sequence, the same for each of its tokens
         for i in range(4):
             row = got[i][mask[i] > 0]
             assert torch.allclose(row, row[0].expand_as(row))
@@ -107,3 +109,18 @@ def test_token_versions_count_tokens_and_spanning_samples() -> None:
     n = float(mask.sum())
     assert got["token_lag_mean"] == pytest.approx((2 * n - 4) / n)  # sample 2's last 4 tokens lag 1, the rest 2
     assert got["multi_version_frac"] == pytest.approx(1 / 4)
+
+
+def test_an_old_preset_that_says_seq_tis_is_told_the_new_name(tmp_path: Path) -> None:
+    """`seq-tis` was the geometric mean of the token weights, not sequence-level IS (their product): renamed
+    `seq-geo-tis`, and the old name is an error that names the new one, in a service's settings and in a preset."""
+    from learner.settings import LearnerSettings
+    from mesh.config import PresetError, load_preset
+
+    with pytest.raises(ValidationError, match="off_policy 'seq-tis' is now 'seq-geo-tis'"):
+        LearnerSettings.model_validate({"off_policy": "seq-tis"})
+    assert LearnerSettings.model_validate({"off_policy": "seq-geo-tis"}).off_policy == "seq-geo-tis"
+    preset = tmp_path / "old.toml"
+    preset.write_text('[learner]\noff_policy = "seq-tis"\n')
+    with pytest.raises(PresetError, match=r"\[learner\] off_policy: .*is now 'seq-geo-tis'"):
+        load_preset(preset)
