@@ -80,6 +80,11 @@ class ContinuousEngine:
         self.update: UpdateMode = update
         # vLLM types step()'s outputs as a union with pooling outputs, which a generating engine never returns
         self.core: Any = engine.llm.llm_engine
+        if self.core.vllm_config.scheduler_config.async_scheduling:
+            raise RuntimeError(
+                "vLLM's asynchronous scheduling is on: a step would return the previous step's tokens and the "
+                "version of each token could not be told; build the engine with async_scheduling=False"
+            )
         self.tokenizer, self.dtype = engine.tokenizer, engine.dtype
         self.seqs: dict[str, _Sequence] = {}  # request id -> sequence in flight
         self.groups: dict[str, _Group] = {}  # key -> its G samples

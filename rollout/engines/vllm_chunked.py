@@ -64,6 +64,10 @@ class VllmEngine:
             max_logprobs=1,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
+            # off, said out loud: vLLM turns it on where it can (CUDA), and then a step returns the tokens of the
+            # step before, so continuous batching would label the first token after a load with the new version
+            # though the old weights sampled it (rollout/engines/continuous.py checks it at start)
+            async_scheduling=False,
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()

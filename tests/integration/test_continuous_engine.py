@@ -43,7 +43,17 @@ if __name__ == "__main__":
     while engine.in_flight():
         done += engine.step()
     out = {key: [c.__dict__ for c in cs] for key, cs in done}
-    print("RESULT " + json.dumps({"prompt": prompt, "boundary": boundary, "out": out, "loads": engine.loads}))
+    from vllm.platforms import current_platform
+    sched = engine.core.vllm_config.scheduler_config
+    resolved, sched.async_scheduling = sched.async_scheduling, True
+    try:  # an engine that would return the step before's tokens is refused
+        ContinuousEngine(engine.vllm)
+        refused = False
+    except RuntimeError:
+        refused = True
+    cuda = current_platform.is_cuda()
+    print("RESULT " + json.dumps({"prompt": prompt, "boundary": boundary, "out": out, "loads": engine.loads,
+                                  "async_scheduling": resolved, "refused": refused, "cuda": cuda}))
 """
 
 
@@ -88,10 +98,22 @@ def worst(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["any", CUDA])
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
-def test_a_sequence_spans_an_update_at_the_load(model_dir: Path, tmp_path: Path, mode: str) -> None:
+def test_a_sequence_spans_an_update_at_the_load(model_dir: Path, tmp_path: Path, mode: str, device: str) -> None:
+    """Every token is labelled with the version that sampled it, at the token where the load happened. On CUDA
+    (the gpu case), where vLLM would turn asynchronous scheduling on and a step would return the step before's
+    tokens, the engine runs with it off and says so."""
     new_dir = tiny_llama(tmp_path / "new", hidden=256, tokenizer=True, seed=1)
     data = run_script(tmp_path, model_dir, new_dir, mode)
+    assert data["async_scheduling"] is False and data["refused"] is True
+    assert data["cuda"] is (device == "cuda") or device == "any"
     old, new = load(model_dir), load(new_dir)
     prompt, boundary = data["prompt"], {int(k): v for k, v in data["boundary"].items()}
     assert data["loads"] == 1 and len(data["out"]["a"]) == 4 and len(data["out"]["b"]) == 2  # none lost, none twice
