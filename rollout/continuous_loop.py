@@ -63,7 +63,7 @@ class ContinuousLoop:
         self.r.membership.tokens_per_s = self.window.account(self.idle)
         self.sync_weights()
         published = self.publish_finished()
-        self.admit()
+        self.admit(wait=not published)
         self.advance_evaluation()
         self.idle = not self.engine.in_flight()  # then nothing runs until the next call (a read waited instead)
         for key, outs in self.engine.step():
@@ -86,9 +86,11 @@ class ContinuousLoop:
 
     # ---------------------------------------------------------------- training prompts
 
-    def admit(self) -> None:
+    def admit(self, wait: bool = True) -> None:
         """Read as many prompts as fit under the bound on sequences in flight; none while groups are held for a
-        reward outage or weights wait for a drain."""
+        reward outage or weights wait for a drain. An idle engine waits for prompts (up to a second), unless this
+        step just published: then the step returns at once (its caller sees the groups out without a second's
+        wait for prompts that may never come; the next step waits)."""
         r = self.r
         if r.publisher.held is not None or self.finished or self.waiting_load or self.eval_waiting:
             r.consumer.keep_alive()
@@ -99,7 +101,7 @@ class ContinuousLoop:
         if count < 1:
             r.consumer.keep_alive()  # the prompts in flight stay ours
             return
-        idle = not self.engine.in_flight()
+        idle = wait and not self.engine.in_flight()
         for d in r.consumer.read(count=count, block_ms=1000 if idle else 0):
             task = d.message
             key = f"t/{d.entry_id}"

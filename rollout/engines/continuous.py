@@ -19,8 +19,12 @@ to the sequences in flight is the `update` mode:
     drain       the caller stops admitting prompts and loads once nothing is in flight (the chunked loop's
                 behaviour; `draining` says a load waits)
 
-Every token records the version that sampled it: the engine runs one step at a time, so the tokens a step returns
-were sampled by the weights held during that step. A Completion carries them as run-lengths, oldest first.
+Every token records the version that sampled it: the engine runs one step at a time (asynchronous scheduling off,
+rollout/engines/vllm_chunked.py), so at a load each sequence in flight has exactly the tokens the old weights
+sampled; the load marks that count (vLLM's own, from its output processor) and the tokens after it are the new
+version's. A Completion carries them as run-lengths, oldest first. Requests ask for their output once finished
+(FINAL_ONLY): a step builds no per-token outputs for the sequences still running (measured: per-step DELTA outputs
+cost ~8% of a small model's generation speed, docs/benchmarks.md).
 New requests carry a cache salt of the version they start under, so a prompt never continues from prefix blocks
 an older version computed (in `keep` mode those blocks stay cached for the sequences that own them).
 On CPU a per-request seed crashes vLLM (rollout/engines/vllm_chunked.py): a seed seeds torch's global generator
@@ -46,21 +50,22 @@ log = logging.getLogger(__name__)
 class _Sequence:
     group: str
     index: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    runs: list[list[int]] = field(default_factory=list)  # [[version, tokens], ...]
+    version: int  # the weights it started under
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (version before a load, its tokens at that load)
 
-    def add(self, tokens: list[int], logprobs: list[float], text: str, version: int) -> None:
-        self.tokens += tokens
-        self.logprobs += logprobs
-        self.text.append(text)
-        if not tokens:
-            return
-        if self.runs and self.runs[-1][0] == version:
-            self.runs[-1][1] += len(tokens)
-        else:
-            self.runs.append([version, len(tokens)])
+    def runs(self, tokens: int, version: int) -> tuple[tuple[int, int], ...]:
+        """The version of each of its `tokens` as run-lengths, oldest first; `version`: the weights held now."""
+        out: list[list[int]] = []
+        done = 0
+        for v, mark in [*self.marks, (version, tokens)]:
+            at = min(mark, tokens)  # a stop string may have taken back tokens counted at a load
+            if at > done:
+                if out and out[-1][0] == v:
+                    out[-1][1] += at - done
+                else:
+                    out.append([v, at - done])
+                done = at
+        return tuple((v, k) for v, k in out)
 
 
 @dataclass
@@ -121,7 +126,7 @@ class ContinuousEngine:
             top_p=params.top_p,
             max_tokens=params.max_tokens,
             logprobs=0,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.FINAL_ONLY,
             ignore_eos=params.ignore_eos,
         )
         from vllm.exceptions import VLLMClientError
@@ -137,26 +142,22 @@ class ContinuousEngine:
                 self.core.abort_request(added)
             raise RequestRefused(str(e)) from e
         self.groups[key] = _Group(n, priority)
-        self.seqs.update((rid, _Sequence(key, j)) for j, rid in enumerate(added))
+        self.seqs.update((rid, _Sequence(key, j, self.version)) for j, rid in enumerate(added))
 
     def step(self) -> list[tuple[str, list[Completion]]]:
         """One engine step; the groups it completed, each as (key, its G completions in submission order)."""
         if not self.seqs:
             return []
-        version = self.version
         finished: list[tuple[str, list[Completion]]] = []
-        for out in self.core.step():
-            seq = self.seqs.get(out.request_id)
-            if seq is None:
+        for out in self.core.step():  # FINAL_ONLY: the sequences that finished in this step
+            seq = self.seqs.pop(out.request_id, None)
+            if seq is None or not out.finished:
                 continue
             c = out.outputs[0]
-            seq.add(list(c.token_ids), sampled_logprobs(c), c.text, version)
-            if not out.finished:
-                continue
-            del self.seqs[out.request_id]
-            runs = tuple((v, k) for v, k in seq.runs)
+            tokens = list(c.token_ids)
+            runs = seq.runs(len(tokens), self.version)
             group = self.groups[seq.group]
-            group.done[seq.index] = Completion(seq.tokens, "".join(seq.text), seq.logprobs, finish_reason(c), runs)
+            group.done[seq.index] = Completion(tokens, c.text, sampled_logprobs(c), finish_reason(c), runs)
             if len(group.done) == group.n:
                 del self.groups[seq.group]
                 finished.append((seq.group, [group.done[j] for j in range(group.n)]))
@@ -182,10 +183,21 @@ class ContinuousEngine:
     def load_weights(self, hf_dir: Path, version: int) -> None:
         self._load(lambda: self.vllm.load_weights(hf_dir, version, keep_running=self.update == "keep"))
 
+    def tokens_so_far(self) -> dict[str, int]:
+        """The tokens each sequence in flight has sampled (by request id), as vLLM's output processor counts them."""
+        states, internal = self.core.output_processor.request_states, self.core.output_processor.external_req_ids
+        return {
+            rid: sum(states[i].detokenizer.num_output_tokens() for i in internal.get(rid, []) if i in states)
+            for rid in self.seqs
+        }
+
     def _load(self, load: Callable[[], None]) -> None:
         if self.draining:
             raise RuntimeError("drain mode: weights load once no sequence is in flight")
         t0 = time.perf_counter()
+        before = self.version
+        for rid, n in self.tokens_so_far().items():  # the old weights sampled these; the next token is the new's
+            self.seqs[rid].marks.append((before, n))
         load()  # keep: the running requests stay; recompute: they are preempted and re-encoded (vllm_chunked.py)
         self.loads += 1
         log.debug(

@@ -37,7 +37,7 @@ if __name__ == "__main__":
     done = []
     for _ in range(8):
         done += engine.step()
-    boundary = {int(rid.split("#")[1]): len(seq.tokens) for rid, seq in engine.seqs.items()}
+    boundary = {int(rid.split("#")[1]): n for rid, n in engine.tokens_so_far().items()}  # vLLM's count
     engine.load_weights(new, 1)                       # sequences in flight
     engine.submit("b", prompt, 2, params)             # after the load: the new weights only
     while engine.in_flight():
