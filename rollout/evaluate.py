@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.engines.base import Completion, Engine, SamplingParams, encode_prompt
-from rollout.reward_client import RewardClient
+from rollout.reward_client import RewardClient, score_items
 from services.datasets import DEFAULT_DATASET_CONFIG, Item, Template, load_source, read_items
-from services.schemas import ScoreItem
 
 PROMPTS_PER_CALL = 32  # prompts (x k samples) per engine call; fixed, because the seeds go by call
 
@@ -133,19 +132,7 @@ def score_samples(
     items: Sequence[Item], outs: Sequence[Sequence[Completion]], reward: RewardClient, max_tokens: int
 ) -> list[EvalSample]:
     """Every completion of every item scored by the reward server, in one request."""
-    score_items = [
-        ScoreItem(
-            id=f"{i}/{j}",
-            response=c.text,
-            ground_truth=it.ground_truth,
-            verifier=it.verifier,
-            response_tokens=len(c.token_ids),
-            max_response_tokens=max_tokens,
-        )
-        for i, (it, o) in enumerate(zip(items, outs, strict=True))
-        for j, c in enumerate(o)
-    ]
-    results = iter(reward.score(score_items))
+    results = iter(reward.score(score_items(items, outs, max_tokens)))
     samples = []
     for it, o in zip(items, outs, strict=True):
         for j, c in enumerate(o):

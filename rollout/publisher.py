@@ -23,10 +23,10 @@ from typing import Any
 
 from rollout.engines.base import Completion
 from rollout.metrics import RolloutMetrics
-from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
+from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable, score_items
 from rollout.settings import RolloutSettings
 from services.arrays import TokenIds
-from services.schemas import PromptTask, Sample, Score, ScoredGroup, ScoreItem
+from services.schemas import PromptTask, Sample, Score, ScoredGroup
 from services.streams import STREAM_ROLLOUTS, Delivery, StreamConsumer
 
 log = logging.getLogger(__name__)
@@ -111,20 +111,8 @@ class Publisher:
     def score(self, gen: Generated) -> list[ScoredGroup]:
         """One request to the reward server for every sample; raises RewardUnavailable / RewardRejected."""
         tasks = [d.message for d in gen.deliveries]
-        items = [
-            ScoreItem(
-                id=f"{i}/{j}",
-                response=c.text,
-                ground_truth=t.ground_truth,
-                verifier=t.verifier,
-                response_tokens=len(c.token_ids),
-                max_response_tokens=self.s.max_response_tokens,
-            )
-            for i, (t, o) in enumerate(zip(tasks, gen.outs, strict=True))
-            for j, c in enumerate(o)
-        ]
         t0 = time.perf_counter()
-        results = iter(self.reward.score(items))
+        results = iter(self.reward.score(score_items(tasks, gen.outs, self.s.max_response_tokens)))
         self.m.reward_seconds.observe(time.perf_counter() - t0)
         groups = []
         for task, prompt, o in zip(tasks, gen.prompts, gen.outs, strict=True):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Protocol
 
 import httpx
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from rollout.engines.base import Completion
 from services.schemas import ScoreItem, ScoreRequest, ScoreResponse, ScoreResult
 
 log = logging.getLogger(__name__)
@@ -67,3 +70,29 @@ class RewardClient:
 
     def close(self) -> None:
         self.http.close()
+
+
+class Target(Protocol):
+    """What a completion is scored against: a training prompt (PromptTask) or a held-out item (Item)."""
+
+    @property
+    def ground_truth(self) -> str: ...
+
+    @property
+    def verifier(self) -> str: ...
+
+
+def score_items(targets: Sequence[Target], outs: Sequence[Sequence[Completion]], max_tokens: int) -> list[ScoreItem]:
+    """One ScoreItem per completion, `<target index>/<sample index>`, for one request to the reward server."""
+    return [
+        ScoreItem(
+            id=f"{i}/{j}",
+            response=c.text,
+            ground_truth=target.ground_truth,
+            verifier=target.verifier,
+            response_tokens=len(c.token_ids),
+            max_response_tokens=max_tokens,
+        )
+        for i, (target, o) in enumerate(zip(targets, outs, strict=True))
+        for j, c in enumerate(o)
+    ]
