@@ -36,6 +36,8 @@ from pydantic.fields import FieldInfo  # noqa: E402
 from pydantic_core import PydanticUndefined  # noqa: E402
 from pydantic_settings import BaseSettings  # noqa: E402
 
+from services.settings import secret_fields  # noqa: E402
+
 # (anchor, title, module, class, how it runs): the services' settings, in the order of the data path
 SERVICES = [
     ("reward_server", "Reward server", "reward_server.settings", "RewardSettings", "python -m reward_server"),
@@ -182,10 +184,6 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # --- settings ---------------------------------------------------------------------------------------------------
 
 
-def _is_secret(field: FieldInfo) -> bool:
-    return "SecretStr" in str(field.annotation)
-
-
 def _env_and_flag(cls: type[BaseModel], name: str, field: FieldInfo) -> tuple[str, str]:
     """What pydantic-settings reads for a field: env `<prefix><NAME>`, flag `--kebab-case` (bools: and `--no-`)."""
     if not issubclass(cls, BaseSettings):
@@ -217,7 +215,14 @@ def _field_row(cls: type[BaseModel], name: str, field: FieldInfo, flag_for: dict
     kind = _type(field.annotation)
     if bounds := _bounds(field):
         kind += f" ({bounds})"
-    return [f"`{name}`", env or "—", flag or "—", kind, _default(field, _is_secret(field)), _cell(field.description)]
+    return [
+        f"`{name}`",
+        env or "—",
+        flag or "—",
+        kind,
+        _default(field, name in secret_fields(cls)),
+        _cell(field.description),
+    ]
 
 
 SETTINGS_HEADER = ["name", "env var", "flag", "type", "default", "description"]

@@ -29,6 +29,11 @@ Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_METRICS = ("clip_frac_upper", "clip_frac_lower", "clip_frac_dual", "approx_kl", "ratio_mean")
 
 
+def loss_sequences(mask: torch.Tensor) -> torch.Tensor:
+    """The sequences (rows of a [B, T] loss mask) with at least one loss token: the seq-mean modes' count."""
+    return (mask.sum(-1) > 0).sum()
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
@@ -68,11 +73,11 @@ def policy_loss(
         loss = (per_token * mask).sum() / denom
     elif agg == "seq-mean-token-mean":
         seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        loss = seq.sum() / (global_seqs if global_seqs is not None else (mask.sum(-1) > 0).sum().clamp(min=1))
+        loss = seq.sum() / (global_seqs if global_seqs is not None else loss_sequences(mask).clamp(min=1))
     elif agg == "seq-mean-token-sum-norm":
         if norm_len is None:
             raise ValueError("seq-mean-token-sum-norm (Dr.GRPO) needs norm_len, a constant: the generation budget")
-        seqs = global_seqs if global_seqs is not None else (mask.sum(-1) > 0).sum().clamp(min=1)
+        seqs = global_seqs if global_seqs is not None else loss_sequences(mask).clamp(min=1)
         loss = (per_token * mask).sum() / (seqs * norm_len)
     else:
         raise ValueError(f"unknown agg {agg!r}")

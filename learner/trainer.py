@@ -27,7 +27,7 @@ import torch
 from learner.advantages import group_advantages
 from learner.batching import BatchTensors, minibatches, to_tensors, token_microbatches
 from learner.logprobs import chunked_logprobs, logits_transform
-from learner.loss import LOSS_METRICS, policy_loss, token_logprobs_and_entropy
+from learner.loss import LOSS_METRICS, loss_sequences, policy_loss, token_logprobs_and_entropy
 from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights, token_versions
 from learner.parallel import all_sum, padded, split_rows, world
 from learner.schedule import lr_factor
@@ -215,7 +215,7 @@ class Trainer:
             tokens = float(t.loss_mask[mb].sum())  # the whole mini-batch's, on every rank (each holds the batch)
             if tokens == 0:  # every sample of this mini-batch filtered out
                 continue
-            seqs = int((t.loss_mask[mb].sum(-1) > 0).sum())  # samples with a loss token left (loss.py)
+            seqs = int(loss_sequences(t.loss_mask[mb]))  # samples with a loss token left
             for idx in self.units(mb, t):
                 part = t.select(mb[:1] if idx is None else idx)  # None: zero-weighted, as many calls as the others
                 m, n = self._micro_step(part, tokens, seqs, weight=idx is not None)

@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Literal
 
 import redis
@@ -28,7 +27,7 @@ from rollout.metrics import RolloutMetrics
 from rollout.settings import RolloutSettings
 from rollout.weight_receiver import WeightReceiver
 from services.schemas import ReplicaHeartbeat
-from services.snapshots import latest_snapshot
+from services.snapshots import Snapshot, latest_snapshot
 from services.streams import REPLICA_KEY_PREFIX, RedisUnavailable, pack
 
 log = logging.getLogger(__name__)
@@ -94,27 +93,24 @@ class Membership:
         newer = self.newer_snapshot()
         if newer is None:
             return False
-        path, version, written = newer
         self.state = "syncing"
         t0 = time.perf_counter()
-        self.engine.load_weights(path, version)
-        announced = time.monotonic() - max(0.0, time.time() - written)
-        self._loaded(version, None, f"snapshot {path.name}", time.perf_counter() - t0, announced)
+        self.engine.load_weights(newer.path, newer.version)
+        announced = time.monotonic() - max(0.0, time.time() - newer.written)
+        self._loaded(newer.version, None, f"snapshot {newer.path.name}", time.perf_counter() - t0, announced)
         return True
 
     def weights_waiting(self) -> bool:
         """Newer weights are there to load (drain mode stops admitting prompts while they wait)."""
         return (self.receiver is not None and self.receiver.ready is not None) or self.newer_snapshot() is not None
 
-    def newer_snapshot(self) -> tuple[Path, int, float] | None:
-        """The learner's newest HF snapshot (folder, version, written at) if newer than the engine's weights; never
-        for a member of the broadcast group (it gets every version from it)."""
+    def newer_snapshot(self) -> Snapshot | None:
+        """The learner's newest HF snapshot if newer than the engine's weights; never for a member of the broadcast
+        group (it gets every version from it)."""
         if self.s.weights_dir is None or (self.receiver is not None and self.receiver.state != "idle"):
             return None
         newest = latest_snapshot(self.s.weights_dir)
-        if newest is None or newest.version <= self.engine.version:
-            return None
-        return newest.path, newest.version, newest.written
+        return newest if newest is not None and newest.version > self.engine.version else None
 
     def _loaded(self, version: int, checksum: int | None, source: str, seconds: float, announced: float) -> None:
         if self.state == "syncing":

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Literal, Self, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict, SettingsError
 
 S = TypeVar("S", bound="DapoSettings")
@@ -107,6 +107,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def secret_fields(cls: type[BaseModel]) -> frozenset[str]:
+    """The settings of `cls` whose values are secrets (`SecretStr`, optional or not): redacted wherever printed,
+    never echoed in an error, never in a preset or on a command line."""
+    return frozenset(n for n, f in cls.model_fields.items() if "SecretStr" in str(f.annotation))
+
+
 def _setting_name(loc: tuple[Any, ...]) -> str:
     if not loc:  # a rule over several settings
         return "settings"
@@ -120,7 +126,7 @@ def load_settings(cls: type[S], argv: Sequence[str] | None = None, *, prog: str 
     try:
         return CliApp.run(cls, cli_args=args, cli_prog_name=prog)
     except ValidationError as e:
-        secret = {n for n, f in cls.model_fields.items() if "SecretStr" in str(f.annotation)}
+        secret = secret_fields(cls)
         lines = [
             f"  {_setting_name(x['loc'])}: {x['msg']}"
             + ("" if not x["loc"] or x["loc"][0] in secret else f" (got {x.get('input')!r})")
