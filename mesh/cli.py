@@ -33,7 +33,8 @@ from rich.console import Console
 from rich.table import Table
 
 from mesh.commands import MODULES
-from mesh.config import MeshConfig
+from mesh.config import DEFAULT_PRESET, TINY_NEEDS, MeshConfig, PresetError, load_preset, tiny_data
+from mesh.config import SERVICES as SECTIONS  # the preset's service sections (SERVICES below: the commands)
 
 app = typer.Typer(help="DAPO as an asynchronous actor-learner service mesh.", no_args_is_help=True)
 console = Console()
@@ -384,15 +385,9 @@ def curves(run_dir: Annotated[Path, typer.Option(help="The run directory.")] = R
     console.print(f"curves in {out}")
 
 
-def _field(name: str) -> str:
-    """The help of a `dapo-mesh up` option: its MeshConfig field's description (one place for both)."""
-    from mesh.config import MeshConfig
-
-    return MeshConfig.model_fields[name].description or name
-
-
 def _mesh_option(name: str) -> Any:
-    return typer.Option(help=_field(name) + " Default: the preset's.")
+    """A `dapo-mesh up` option for a [mesh] field: its help is the field's description (one place for both)."""
+    return typer.Option(help=f"{MeshConfig.model_fields[name].description} Default: the preset's.")
 
 
 @app.command()
@@ -427,7 +422,6 @@ def up(
     ] = None,
 ) -> None:
     """Run the local mesh: Redis, reward server, buffer, rollout replicas and learner, until --steps."""
-    from mesh.config import PresetError
     from mesh.up import Mesh
 
     if check:
@@ -467,8 +461,6 @@ def mesh_config(run_dir: Path, config: Path | None, tiny: bool, given: dict[str,
     """`up`'s config: the preset (or the tiny mesh, with the preset's service sections if --config names one),
     the options given, then every --set; validated once, as a whole. Nothing given is dropped without a word: a
     preset value the tiny mesh must change is said."""
-    from mesh.config import DEFAULT_PRESET, SERVICES, TINY_NEEDS, load_preset
-
     if tiny:
         preset = load_preset(config) if config else None
         sections = preset.services if preset else {}
@@ -476,8 +468,7 @@ def mesh_config(run_dir: Path, config: Path | None, tiny: bool, given: dict[str,
             if key in sections.get(name, {}) and sections[name][key] != value:
                 say = f"--tiny: [{name}] {key} = {value!r}, not the preset's {sections[name][key]!r}"
                 console.print(say, markup=False)
-        base = MeshConfig.tiny_preset(run_dir, steps=given.pop("steps", 3), sections=sections)
-        data = base.model_dump(exclude_unset=True, exclude=set[str](SERVICES)) | {n: base.section(n) for n in SERVICES}
+        data = tiny_data(run_dir, given.pop("steps", 3), sections)
         if preset is not None:  # the task goes with its verifier and dataset config; the scale stays tiny
             data |= {"dataset": preset.mesh["dataset"]} if "dataset" in preset.mesh else {}
             console.print(f"--tiny: {config}'s dataset and service sections, at the tiny mesh's scale", markup=False)
@@ -496,11 +487,9 @@ def _parse_set(item: str) -> tuple[str, str, Any]:
     """ "learner.clip_high=0.3" -> ("learner", "clip_high", 0.3): the value is read as TOML, else as a string."""
     import tomllib
 
-    from mesh.config import SERVICES, PresetError
-
     name, sep, raw = item.partition("=")
     section, dot, key = name.strip().partition(".")
-    if not sep or not dot or section not in ("mesh", *SERVICES):
+    if not sep or not dot or section not in ("mesh", *SECTIONS):
         raise PresetError(
             f"--set {item!r}: write SECTION.FIELD=VALUE with SECTION one of mesh, reward, buffer, learner, rollout"
         )

@@ -40,6 +40,7 @@ from learner.settings import LearnerSettings
 from reward_server.settings import RewardSettings
 from rollout.settings import RolloutSettings
 from services.child_process import ROOT
+from services.settings import secret_fields
 
 DEFAULT_PRESET = ROOT / "configs" / "dapo.toml"  # what `dapo-mesh up` runs without --config
 Service = Literal["reward", "buffer", "learner", "rollout"]
@@ -135,10 +136,7 @@ MESH_FIELD_OF: dict[Service, dict[str, str | None]] = {
     for name, wants in _FROM_MESH.items()
 }
 MESH_SETS: dict[Service, frozenset[str]] = {name: frozenset(keys) for name, keys in MESH_FIELD_OF.items()}
-SECRETS: dict[Service, frozenset[str]] = {
-    name: frozenset(k for k, f in cls.model_fields.items() if "SecretStr" in str(f.annotation))
-    for name, cls in SECTIONS.items()
-}
+SECRETS: dict[Service, frozenset[str]] = {name: secret_fields(cls) for name, cls in SECTIONS.items()}
 
 
 def _owned(name: Service, keys: list[str]) -> str:
@@ -263,28 +261,19 @@ class MeshConfig(BaseModel):
     def tiny_preset(
         cls, run_dir: Path, steps: int = 3, sections: dict[str, dict[str, Any]] | None = None
     ) -> MeshConfig:
-        """The tiny mesh (a random Llama, the HF engine, small groups): a smoke test in a minute. `sections`: a
-        preset's service sections to run at this scale; `TINY_NEEDS` is applied over them."""
-        sections = {name: dict(values) for name, values in (sections or {}).items()}
-        for (name, key), value in TINY_NEEDS.items():
-            sections.setdefault(name, {})[key] = value
-        return cls.validated(
-            {
-                "run_dir": run_dir,
-                "steps": steps,
-                "tiny": True,
-                "engine": "hf",
-                "n_samples": 4,
-                "batch_size": 4,
-                "max_response_tokens": 24,
-                "minibatches": 2,
-                "lr": 1e-4,
-                "eval_size": 16,
-                "eval_k": 2,
-                **sections,
-            },
-            where="--tiny",
-        )
+        """The tiny mesh (a random Llama, the HF engine, small groups): a smoke test in a minute (`tiny_data`)."""
+        return cls.validated(tiny_data(run_dir, steps, sections), where="--tiny")
+
+
+def tiny_data(run_dir: Path, steps: int = 3, sections: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The tiny mesh's config, not yet validated (`dapo-mesh up --tiny` adds its options first). `sections`: a
+    preset's service sections to run at this scale; `TINY_NEEDS` is applied over them."""
+    sections = {name: dict(values) for name, values in (sections or {}).items()}
+    for (name, key), value in TINY_NEEDS.items():
+        sections.setdefault(name, {})[key] = value
+    scale = {"n_samples": 4, "batch_size": 4, "max_response_tokens": 24, "minibatches": 2, "lr": 1e-4}
+    evaluation = {"eval_size": 16, "eval_k": 2}
+    return {"run_dir": run_dir, "steps": steps, "tiny": True, "engine": "hf", **scale, **evaluation, **sections}
 
 
 # What the tiny mesh needs whatever the preset says: a random model gets nothing right, so dynamic sampling would
