@@ -86,7 +86,8 @@ class Publisher:
             self.backoff_s = min(self.backoff_s * 2, REWARD_BACKOFF_MAX_S)
             return 0
         self.held, self.backoff_s = None, REWARD_BACKOFF_S
-        kept = [d for d in gen.deliveries if d.message.task_id in {g.group_id for g in groups}]
+        scored = {g.group_id for g in groups}
+        kept = [d for d in gen.deliveries if d.message.task_id in scored]
         self.consumer.ack_and_publish([d.entry_id for d in kept], [(STREAM_ROLLOUTS, g) for g in groups])
         self.m.groups.inc(len(groups))
         self.done += len(groups)
