@@ -1,11 +1,12 @@
 """`make bench`: run every benchmark and print one table (and its JSON)."""
 
-from bench import learner, mesh, placement, queue, ranks, reward, rollout, weight_sync
+from bench import curriculum, learner, mesh, placement, queue, ranks, reward, rollout, weight_sync
 from bench.common import print_table
 
 if __name__ == "__main__":
     print_table(
         queue.run()
+        + curriculum.run()
         + reward.run()
         + learner.run()
         + ranks.run()

@@ -51,3 +51,44 @@ class BufferMetrics:
             registry=r,
         )
         self.epoch = Gauge("dapo_buffer_epoch", "Dataset epoch of the dispatch cursor.", registry=r)
+        self._per_task(r)
+
+    def _per_task(self, r: CollectorRegistry) -> None:
+        """Per task (a prompt's data source) and the curriculum's (buffer/curriculum.py)."""
+        self.task_dispatched = Counter(
+            "dapo_buffer_task_dispatched", "Prompts published, by task.", ["task"], registry=r
+        )
+        self.task_groups = Counter(
+            "dapo_buffer_task_groups",
+            "Received groups by task and outcome: keep, all_correct, all_wrong, no_variance (stale and duplicate "
+            "groups are in dapo_buffer_groups_filtered).",
+            ["task", "outcome"],
+            registry=r,
+        )
+        self.skipped = Counter(
+            "dapo_buffer_curriculum_skipped",
+            "Prompts the curriculum skipped (predicted to give a filtered group), by task.",
+            ["task"],
+            registry=r,
+        )
+        self.predicted = Counter(
+            "dapo_buffer_curriculum_predicted_filtered",
+            "Sum over received groups of a prompt with history of the predicted probability that its samples all "
+            "agree; beside dapo_buffer_curriculum_observed_filtered: the predictor's calibration.",
+            registry=r,
+        )
+        self.observed = Counter(
+            "dapo_buffer_curriculum_observed_filtered",
+            "Received groups of a prompt with history whose samples all agreed.",
+            registry=r,
+        )
+        self.predicted_groups = Counter(
+            "dapo_buffer_curriculum_predicted_groups", "Received groups of a prompt with history.", registry=r
+        )
+        self.bands = Gauge(
+            "dapo_buffer_prompts_by_band",
+            "Training prompts by difficulty band of their decayed pass rate (unseen, unsolved <5%, hard <35%, "
+            "medium <65%, easy <95%, solved).",
+            ["band"],
+            registry=r,
+        )

@@ -1,9 +1,11 @@
 """The buffer: the mesh's data controller. One loop, three jobs:
 
-1. dispatch — publish PromptTasks (G samples each) while the staleness budget allows; the dataset
-   cursor is saved in the same MULTI/EXEC as the tasks, so a restart neither repeats nor skips;
-2. accept — read ScoredGroups; drop stale ones and, with dynamic sampling, ones whose accuracy does
-   not vary (acknowledged and counted); keep the rest, unacknowledged, in the carry;
+1. dispatch — publish PromptTasks (G samples each) while the staleness budget allows, every prompt in turn or, with
+   the curriculum policy, skipping those predicted to be filtered (buffer/curriculum.py); the dataset cursor is
+   saved in the same MULTI/EXEC as the tasks, so a restart neither repeats nor skips;
+2. accept — read ScoredGroups; count each in its prompt's pass-rate state; drop stale ones and, with dynamic
+   sampling, ones whose accuracy does not vary (acknowledged and counted); keep the rest, unacknowledged, in the
+   carry;
 3. assemble — every B kept groups become a TrainBatch with the next batch id, published and the
    groups acknowledged in one server-side step: a kept group is in exactly one batch, and after a
    crash the partial batch is rebuilt from the groups still pending.
@@ -24,6 +26,15 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from buffer.curriculum import (
+    BANDS,
+    PromptState,
+    PromptStates,
+    band,
+    decide,
+    dispatch_probability,
+    zero_variance_probability,
+)
 from buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, pass_rate, version_lag
 from buffer.metrics import BufferMetrics
 from buffer.settings import BufferSettings
@@ -54,6 +65,8 @@ KEY_CURSOR = "dapo:buffer:cursor"
 KEY_PUBLISHED = "dapo:buffer:published"  # a set: every group id put in a batch, added with the batch itself
 DISPATCH_CHUNK = 64
 GAUGES_EVERY_S = 1.0  # stream depths and group backlogs for Prometheus (autoscaling, alerts)
+BANDS_EVERY_S = 30.0  # prompts per difficulty band (a scan of every prompt's state)
+MAX_SKIPS_PER_SLOT = 8  # curriculum: at most this many prompts looked at per prompt dispatched, per step
 
 
 @dataclass
@@ -87,7 +100,8 @@ class Buffer:
         self.paused_until = 0.0
         self.status = "starting"
         self.last_batch_at = self.last_trim = time.monotonic()
-        self.next_gauges = 0.0
+        self.next_gauges = self.next_bands = 0.0
+        self.states = PromptStates(client, decay=settings.curriculum_decay)
 
     # ------------------------------------------------------------------ the loop
 
@@ -104,6 +118,8 @@ class Buffer:
         self.m.carry.set(len(self.carry))
         if time.monotonic() >= self.next_gauges:
             self.update_stream_gauges()
+        if time.monotonic() >= self.next_bands:
+            self.update_bands()
         if time.monotonic() - self.last_trim >= self.s.trim_every_s:
             self.trim()
 
@@ -155,26 +171,25 @@ class Buffer:
         n = min(dispatch_budget(s.max_staleness, s.batch_size, outstanding, waiting), DISPATCH_CHUNK)
         version = self.policy_version()
         pipe = self.client.pipeline(transaction=True)
-        sent = 0
+        sent = scanned = 0
         exhausted = False
-        for _ in range(n):
-            item = self._next_item()
-            if item is None:
-                exhausted = True
-                break
-            task = PromptTask(
-                task_id=f"{item.prompt_id}#e{self.cursor.epoch}",
-                prompt_id=item.prompt_id,
-                prompt=item.prompt,
-                ground_truth=item.ground_truth,
-                verifier=item.verifier,
-                data_source=item.data_source,
-                n_samples=s.n_samples,
-                dispatch_version=version,
-            )
-            pipe.xadd(STREAM_PROMPTS, encode(task))  # type: ignore[arg-type]
-            sent += 1
-        if sent:
+        while sent < n and scanned < n * MAX_SKIPS_PER_SLOT and not exhausted:
+            slots = []
+            for _ in range(n - sent):
+                item = self._next_item()
+                if item is None:
+                    exhausted = True
+                    break
+                slots.append((item, self.cursor.epoch, self.cursor.position - 1))
+            scanned += len(slots)
+            for (item, epoch, position), go in zip(slots, self.choose(slots), strict=True):
+                if not go:
+                    self.m.skipped.labels(item.data_source).inc()
+                    continue
+                pipe.xadd(STREAM_PROMPTS, encode(self.task(item, epoch, position, version)))  # type: ignore[arg-type]
+                self.m.task_dispatched.labels(item.data_source).inc()
+                sent += 1
+        if scanned:
             pipe.set(KEY_CURSOR, json.dumps(asdict(self.cursor)))  # with the tasks, or not at all
             with redis_errors(self.client):
                 pipe.execute()
@@ -185,6 +200,38 @@ class Buffer:
             self.status = "running"
         self.m.epoch.set(self.cursor.epoch)
         return sent
+
+    def task(self, item: Item, epoch: int, position: int, version: int) -> PromptTask:
+        return PromptTask(
+            task_id=f"{item.prompt_id}#e{epoch}p{position}",  # a mixture may hold a prompt twice in an epoch
+            prompt_id=item.prompt_id,
+            prompt=item.prompt,
+            ground_truth=item.ground_truth,
+            verifier=item.verifier,
+            data_source=item.data_source,
+            n_samples=self.s.n_samples,
+            dispatch_version=version,
+        )
+
+    def choose(self, slots: list[tuple[Item, int, int]]) -> list[bool]:
+        """Which of these dispatch slots (item, epoch, position) go out: all of them with `uniform`; with
+        `curriculum`, each with its chance from its prompt's state (buffer/curriculum.py), seeded per slot."""
+        if self.s.dispatch_policy == "uniform" or not slots:
+            return [True] * len(slots)
+        states = self.states.get([item.prompt_id for item, _, _ in slots])
+        return [
+            decide(
+                dispatch_probability(self.predict(state), self.s.curriculum_explore),
+                self.cursor.seed,
+                epoch,
+                position,
+            )
+            for (_, epoch, position), state in zip(slots, states, strict=True)
+        ]
+
+    def predict(self, state: PromptState | None) -> float | None:
+        """P(the prompt's next group is dropped by dynamic sampling); None: no history."""
+        return zero_variance_probability(state, self.s.n_samples, prior=self.s.curriculum_prior)
 
     def _next_item(self) -> Item | None:
         n = len(self.source.train)
@@ -213,6 +260,7 @@ class Buffer:
             return
         self.m.received.inc()
         self.m.pass_rate.observe(pass_rate(g))
+        self.learn(g)
         if is_stale(g, version, self.s.max_staleness):
             self._drop(d, "stale", version)
             return
@@ -221,6 +269,7 @@ class Buffer:
             verdict = filter_group(g, continuous=self.s.continuous_rewards, std_threshold=self.s.reward_std_threshold)
         self.recent.append(verdict == "keep")
         self.m.keep_ratio.set(sum(self.recent) / len(self.recent))
+        self.m.task_groups.labels(g.task.data_source, verdict).inc()
         if verdict != "keep":
             self._drop(d, verdict, version)
             self._watch_degenerate(verdict)
@@ -229,6 +278,27 @@ class Buffer:
         self.m.kept.inc()
         self.m.version_lag.observe(version_lag(g, version))
         self.carry.append(d)
+
+    def learn(self, g: ScoredGroup) -> None:
+        """Count the group in its prompt's state (every received group, stale ones too: they tell how hard the
+        prompt is), and the prediction the state held before it against what came."""
+        correct = sum(s.acc for s in g.scores)
+        agreed = correct in (0, len(g.scores))
+        q = self.predict(self.states.get([g.task.prompt_id])[0])
+        if q is not None:
+            self.m.predicted.inc(q)
+            self.m.predicted_groups.inc()
+            self.m.observed.inc(agreed)
+        self.states.record(g, zero_variance=agreed, version=g.max_version)
+
+    def update_bands(self) -> None:
+        """Prompts per difficulty band (HSCAN of the state, every BANDS_EVERY_S); "unseen": training prompts with
+        no group yet."""
+        counts = collections.Counter(band(state) for _, state in self.states.scan())
+        counts["unseen"] = max(0, len(self.source.train) - sum(counts.values()))
+        for name in ("unseen", *(label for _, label in BANDS)):
+            self.m.bands.labels(name).set(counts.get(name, 0))
+        self.next_bands = time.monotonic() + BANDS_EVERY_S
 
     def is_duplicate(self, g: ScoredGroup) -> bool:
         """Already in a batch (known here, or recorded in Redis with the batch: a copy that arrives after a restart

@@ -37,6 +37,20 @@ class BufferSettings(ServiceSettings, RedisSettings):
     batch_size: int = Field(8, ge=1, description="B: groups per TrainBatch (DAPO: 512).")
     max_staleness: int = Field(1, ge=0, description="Drop groups more than this many versions old.")
     dynamic_sampling: bool = Field(True, description="Keep only groups whose accuracy varies (DAPO).")
+    dispatch_policy: Literal["uniform", "curriculum"] = Field(
+        "uniform",
+        description="uniform: every prompt in turn; curriculum: a prompt predicted to give a group that dynamic "
+        "sampling drops is skipped with that probability (docs: concepts/curriculum.md).",
+    )
+    curriculum_explore: float = Field(
+        0.1, ge=0, le=1, description="curriculum: the least chance of dispatching a prompt predicted to be filtered."
+    )
+    curriculum_decay: float = Field(
+        0.5, ge=0, le=1, description="Weight of a prompt's older groups in its pass rate, per newer group."
+    )
+    curriculum_prior: float = Field(
+        0.5, gt=0, description="Strength (in samples) of the Beta(0.5·s, 0.5·s) prior of a prompt's pass rate."
+    )
     continuous_rewards: bool = Field(False, description="Filter on reward std instead of accuracy.")
     reward_std_threshold: float = Field(0.0, ge=0, description="With continuous rewards: keep if std > this.")
     degenerate_cap: int | None = Field(

@@ -26,13 +26,14 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()  # SIGTERM / Ctrl-C: finish the batch, checkpoint, acknowledge, exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    from learner.parallel import shutdown
+    from learner.parallel import exit_rank, shutdown
     from learner.runner import run
 
     try:
         run(settings, stop)
     finally:
         shutdown()
+    exit_rank()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from learner import checkpoint
-from learner.parallel import check_ranks, shutdown, world
+from learner.parallel import barrier, check_ranks, exit_rank, shutdown, world
 from learner.record import batches_dir, load_batch, read_settings, recorded
 from learner.settings import LearnerSettings
 from services.ledger import read_ledger
@@ -131,8 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     init_distributed()
     try:
         replay(a.batches, a.model_dir, a.out, zero_stage=a.zero_stage, dtype=a.dtype, until=a.until)
+        barrier()  # rank 0 exports last: no rank tears down while another still works
     finally:
         shutdown()
+    exit_rank()
 
 
 if __name__ == "__main__":

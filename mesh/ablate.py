@@ -34,6 +34,40 @@ class RunResult:
     final: float  # held-out avg@k of the last evaluation
     best: float  # the best of its evaluations
     final_version: int
+    waste: Waste | None = None
+
+
+@dataclass(frozen=True)
+class Waste:
+    """What dynamic sampling threw away (metrics.jsonl's cumulative buffer counts): the fraction of received
+    groups filtered and the generated groups per trained one (= samples, G being fixed), over the whole run and
+    after the first pass over the training prompts (from the first step the dispatch cursor was in epoch 1)."""
+
+    filtered: float
+    generated_per_trained: float
+    later_filtered: float
+    later_generated_per_trained: float
+
+
+def read_waste(run_dir: Path) -> Waste | None:
+    path = RunLayout(run_dir).metrics
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    rows = [r for r in rows if r.get("kind") != "eval" and "groups_received" in r and "groups_kept" in r]
+    if not rows:
+        return None
+    last = rows[-1]
+    later = next((r for r in rows if r.get("epoch", 0) >= 1), None)
+
+    def ratio(got: float, kept: float) -> tuple[float, float]:
+        return (1 - kept / got, got / kept) if got > 0 and kept > 0 else (math.nan, math.nan)
+
+    whole = ratio(last["groups_received"], last["groups_kept"])
+    after = (
+        ratio(last["groups_received"] - later["groups_received"], last["groups_kept"] - later["groups_kept"])
+        if later is not None
+        else (math.nan, math.nan)
+    )
+    return Waste(*whole, *after)
 
 
 @dataclass(frozen=True)
@@ -99,11 +133,19 @@ def markdown(results: list[RunResult]) -> str:
     """The table for the docs (docs/results/seeds.md): one line per run, one per preset (mean ± std), the
     differences."""
     rows, diffs = summarize(results)
-    out = ["| preset | seed | final held-out avg@k | best |", "|---|---|---|---|"]
-    out += [f"| {r.preset} | {r.seed} | {r.final:.3f} (v{r.final_version}) | {r.best:.3f} |" for r in results]
+    out = [
+        "| preset | seed | final held-out avg@k | best | filtered (after 1st pass) | generated / trained (after) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        w = r.waste or Waste(math.nan, math.nan, math.nan, math.nan)
+        out.append(
+            f"| {r.preset} | {r.seed} | {r.final:.3f} (v{r.final_version}) | {r.best:.3f} | {w.filtered:.0%} "
+            f"({w.later_filtered:.0%}) | {w.generated_per_trained:.2f} ({w.later_generated_per_trained:.2f}) |"
+        )
     out += [
         f"| **{s.preset}** | mean ± std over {len(s.seeds)} | **{s.final_mean:.3f} ± {s.final_std:.3f}** | "
-        f"{s.best_mean:.3f} ± {s.best_std:.3f} |"
+        f"{s.best_mean:.3f} ± {s.best_std:.3f} | | |"
         for s in rows
     ]
     out += [f"\n{rows[0].preset} − {d.preset}: {d.diff:+.3f} ± {d.stderr:.3f} (standard error)" for d in diffs]
@@ -140,7 +182,7 @@ def ablate(
                 done = read_run(cfg.run_dir)
             if done is None:
                 raise RuntimeError(f"{cfg.run_dir}: the run made no held-out evaluation (eval_every is 0?)")
-            results.append(RunResult(preset.stem, seed, *done))
+            results.append(RunResult(preset.stem, seed, *done, waste=read_waste(cfg.run_dir)))
     (root / "ablate.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     (root / "ablate.md").write_text(markdown(results) + "\n")
     draw(root, presets, seeds)

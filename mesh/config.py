@@ -230,6 +230,22 @@ class MeshConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
+    def _dataset_checks(self) -> Self:
+        """The dataset spec's syntax, weights, task names, files and named verifiers, before anything starts (the
+        buffer reads the data itself when it starts: a file row without a verifier, an empty held-out share)."""
+        from reward_server.verifiers import check_name
+        from services.datasets import check_spec
+
+        try:
+            verifiers = check_spec(self.dataset)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"dataset {self.dataset!r}: {e}") from None
+        for v in verifiers:
+            if problem := check_name(v):
+                raise ValueError(f"dataset {self.dataset!r}: {problem}")
+        return self
+
+    @model_validator(mode="after")
     def _ranks_have_samples(self) -> Self:
         per_minibatch = max(1, self.batch_size * self.n_samples // self.minibatches)
         if self.learner_ranks > per_minibatch:

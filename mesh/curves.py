@@ -31,8 +31,12 @@ def plot(metrics: Path, out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
+    per_task = {"accuracy": "eval_acc/", "filtered by dynamic sampling": "filtered_frac/"}  # + a line per task
+    keys = sorted({k for r in rows for k in r})
     for ax, (title, series) in zip(axes.flat, PANELS, strict=True):
-        for key, label in series:
+        prefix = per_task.get(title)
+        extra = [(k, f"{k.split('/', 1)[1]} ({k.split('/', 1)[0]})") for k in keys if prefix and k.startswith(prefix)]
+        for key, label in [*series, *extra]:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and not math.isnan(r[key])]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, label=label)

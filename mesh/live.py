@@ -96,6 +96,8 @@ def mesh_numbers(states: list[ServiceState]) -> dict[str, float]:
     samples = value(states, "dapo_rollout_samples_total", prefix="rollout")
     return {
         "groups_received": received,
+        "groups_kept": kept,
+        "epoch": value(states, "dapo_buffer_epoch", prefix="buffer", how="max"),
         "filtered_frac": 1 - kept / received if received > 0 else math.nan,  # NaN > 0 is False
         "version_lag_mean": lag_sum / lag_n if lag_n else math.nan,
         "rollout_tokens_per_s": value(states, "dapo_rollout_tokens_per_second", prefix="rollout"),
@@ -107,7 +109,39 @@ def mesh_numbers(states: list[ServiceState]) -> dict[str, float]:
         if samples
         else math.nan,
         "reward_items": value(states, "dapo_reward_items_total", prefix="reward"),
+        **curriculum_numbers(states),
     }
+
+
+def curriculum_numbers(states: list[ServiceState]) -> dict[str, float]:
+    """Per task: filtered fraction, groups kept, prompts skipped; the curriculum's predicted and observed filtered
+    fractions (groups of prompts with history) and its skip rate; prompts per difficulty band."""
+    tasks = sorted({lab["task"] for st in states for lab, _ in st.metrics.get("dapo_buffer_task_groups_total", [])})
+    out: dict[str, float] = {}
+    for t in tasks:
+        got = value(states, "dapo_buffer_task_groups_total", prefix="buffer", task=t)
+        kept = value(states, "dapo_buffer_task_groups_total", prefix="buffer", task=t, outcome="keep")
+        kept = 0.0 if math.isnan(kept) else kept
+        out[f"filtered_frac/{t}"] = 1 - kept / got if got > 0 else math.nan
+        out[f"groups_kept/{t}"] = kept
+        out[f"skipped/{t}"] = value(states, "dapo_buffer_curriculum_skipped_total", prefix="buffer", task=t)
+        out[f"heldout/{t}"] = value(states, "dapo_eval_task_avg_at_k", prefix="rollout", how="max", task=t)
+    with_history = value(states, "dapo_buffer_curriculum_predicted_groups_total", prefix="buffer")
+    if with_history > 0:
+        out["predicted_filtered_frac"] = (
+            value(states, "dapo_buffer_curriculum_predicted_filtered_total", prefix="buffer") / with_history
+        )
+        out["observed_filtered_frac"] = (
+            value(states, "dapo_buffer_curriculum_observed_filtered_total", prefix="buffer") / with_history
+        )
+    skipped = value(states, "dapo_buffer_curriculum_skipped_total", prefix="buffer")
+    dispatched = value(states, "dapo_buffer_prompts_dispatched_total", prefix="buffer")
+    if not math.isnan(skipped) and dispatched + skipped > 0:
+        out["skip_frac"] = skipped / (dispatched + skipped)
+    for st in states:
+        for lab, v in st.metrics.get("dapo_buffer_prompts_by_band", []):
+            out[f"band/{lab['band']}"] = out.get(f"band/{lab['band']}", 0.0) + v
+    return out
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
@@ -168,8 +202,23 @@ class LiveView:
             _fmt(m.get("sync_seconds"), ".2f"),
             _fmt(n.get("weight_serve_seconds_mean"), ".2f"),
         )
+        tasks = Table(
+            "task", "filtered", "groups kept", "skipped", "held-out avg@k", title="tasks", title_justify="left"
+        )
+        for t in sorted(k.split("/", 1)[1] for k in n if k.startswith("filtered_frac/")):
+            tasks.add_row(t, _fmt(n.get(f"filtered_frac/{t}"), ".0%"), _fmt(n.get(f"groups_kept/{t}"), ".0f"),
+                          _fmt(n.get(f"skipped/{t}"), ".0f"), _fmt(n.get(f"heldout/{t}")))  # fmt: skip
+        bands = "  ".join(f"{k.split('/', 1)[1]} {v:.0f}" for k, v in n.items() if k.startswith("band/"))
+        if "predicted_filtered_frac" in n:
+            bands += (f"   curriculum: predicted filtered {n['predicted_filtered_frac']:.0%}, observed "
+                      f"{n['observed_filtered_frac']:.0%}, skipped {n.get('skip_frac', 0.0):.0%}")  # fmt: skip
         health = Table("service", "port", "state", "restarts", "detail", title="services", title_justify="left")
         for st in self.states:
             state = "[green]ready" if st.ready else "[red]down" if not st.alive else "[yellow]not ready"
             health.add_row(st.name, str(st.port), state, str(st.restarts), st.detail[:60])
-        return Group(self.progress, train, health)
+        parts: list[Any] = [self.progress, train]
+        if tasks.row_count:
+            parts.append(tasks)
+        if bands:
+            parts.append(f"prompts by band: {bands}")
+        return Group(*parts, health)

@@ -75,6 +75,7 @@ class RunRecorder:
                     "eval_later_token_frac": e.later_token_frac,
                     "eval_at": e.created_at,
                     "eval_mean_token_version": e.mean_token_version or float(e.version),
+                    **{f"eval_acc/{task}": acc for task, acc in e.by_task.items()},
                 }
             )
             self.say(

@@ -120,6 +120,7 @@ class Evaluator:
             mean_response_tokens=report.mean_response_tokens,
             truncated_frac=report.truncated_frac,
             seconds=report.seconds,
+            by_task=report.by_source,
             **token_versions(version, runs),
         )
         self.out.publish(result)
@@ -128,6 +129,8 @@ class Evaluator:
         self.m.eval_pass.set(report.pass_at_k)
         self.m.eval_version.set(version)
         self.m.eval_seconds.set(report.seconds)
+        for task, acc in report.by_source.items():
+            self.m.eval_task_avg.labels(task).set(acc)
         log.info(
             "held-out eval of version %d: avg@%d %.3f, pass@%d %.3f (%d prompts, %.1f s)",
             version,

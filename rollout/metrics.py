@@ -44,6 +44,9 @@ class RolloutMetrics:
         )
         self.eval_avg = Gauge("dapo_eval_avg_at_k", "Held-out mean accuracy over k samples.", registry=r)
         self.eval_pass = Gauge("dapo_eval_pass_at_k", "Held-out fraction of prompts with a correct sample.", registry=r)
+        self.eval_task_avg = Gauge(
+            "dapo_eval_task_avg_at_k", "Held-out mean accuracy over k samples, per task.", ["task"], registry=r
+        )
         self.eval_version = Gauge("dapo_eval_version", "Policy version of the last held-out evaluation.", registry=r)
         self.eval_seconds = Gauge("dapo_eval_seconds", "Wall time of the last held-out evaluation.", registry=r)
         self.in_flight = Gauge(

@@ -7,8 +7,15 @@ the ground layer.
 
     source = load_source("reasoning_gym:chain_sum", size=10000, seed=42, config={"chain_sum": {...}})
     source = load_source("reasoning_gym:chain_sum=0.7,basic_arithmetic=0.3", ...)   # a weighted mix
-    source = load_source("file:/data/dapo-math-17k.parquet")                         # verl schema
+    source = load_source("file:/data/dapo-math-17k.parquet@dapo_math")               # verl schema, its verifier
+    source = load_source("reasoning_gym:basic_arithmetic=2,chain_sum=1; file:/data/gsm.jsonl@math_verify=1")
     source.train[i] -> Item;  source.eval -> list[Item] (never dispatched for training)
+
+A mixture is sources separated by `;`, each with its weight (a reasoning-gym part weighs the sum of its tasks'
+weights; a file part `=w`, default 1): the part of each training position is a seeded weighted draw, and each
+part's held-out share is its weight's share of `eval_size` (an empty share is an error). Every item carries its
+verifier: reasoning-gym's own per task; a file row's `verifier` field, else the file's `@verifier`, else
+`file_verifier` (none of them: an error, not a silent default).
 
 reasoning-gym items are generated from Random(seed + i), so two datasets with close seeds overlap
 almost entirely: the evaluation split is drawn from a far-away seed, and any question that also
@@ -172,10 +179,22 @@ def reasoning_gym_source(
                 eval_items.append(pool[i])
                 if len(eval_items) == eval_size:
                     break
+        empty = sorted(set(tasks) - {it.data_source.removeprefix("reasoning_gym/") for it in eval_items})
+        if empty:
+            raise ValueError(
+                f"reasoning-gym tasks {empty} would have no held-out items of eval_size {eval_size} (too small a "
+                "weight, or every question also in training): raise eval_size or their weight"
+            )
     return Source("reasoning_gym:" + ",".join(f"{n}={w:g}" for n, w in tasks.items()), train, eval_items)
 
 
 def _verl_row(i: int, row: dict[str, Any], path: Path, template: Template, verifier: str | None) -> Item:
+    verifier = row.get("verifier") or verifier
+    if not verifier:
+        raise ValueError(
+            f"{path} row {i}: no verifier: give each row a `verifier` field, or the file one (file:{path}@dapo_math "
+            "in the dataset spec, or --file-verifier)"
+        )
     prompt = row["prompt"]
     if isinstance(prompt, list | tuple):  # chat messages: the last user turn carries the problem
         users = [m["content"] for m in prompt if m.get("role") == "user"]
@@ -193,7 +212,7 @@ def _verl_row(i: int, row: dict[str, Any], path: Path, template: Template, verif
         f"file/{path.name}/{ident}",
         apply_template(text, template),
         str(rm["ground_truth"]),
-        verifier or "dapo_math",
+        str(verifier),
         source,
     )
 
@@ -225,14 +244,110 @@ def load_source(
     template: Template = "short",
     file_verifier: str | None = None,
 ) -> Source:
-    if spec.startswith("reasoning_gym:"):
-        tasks = parse_tasks(spec[len("reasoning_gym:") :])
-        return reasoning_gym_source(
-            tasks, size=size, seed=seed, eval_size=eval_size, config=config or {}, template=template
-        )
-    if spec.startswith("file:"):
-        path = Path(spec[len("file:") :])
-        if not path.is_file():
-            raise FileNotFoundError(f"dataset file {path} not found")
-        return file_source(path, eval_size=eval_size, seed=seed, template=template, verifier=file_verifier)
-    raise ValueError(f"dataset {spec!r}: use reasoning_gym:<task>[=w,...] or file:<path.parquet|.jsonl>")
+    parts = [p.strip() for p in spec.split(";") if p.strip()]
+    if not parts:
+        raise ValueError("empty dataset spec")
+    weights = [part_weight(p) for p in parts]
+    if len(parts) == 1:
+        return _load_part(parts[0], size, seed, eval_size, config or {}, template, file_verifier)
+    total = sum(weights)
+    sources = []
+    for part, w in zip(parts, weights, strict=True):
+        share = round(eval_size * w / total)
+        src = _load_part(part, size, seed, share, config or {}, template, file_verifier)
+        if eval_size and not src.eval:
+            raise ValueError(
+                f"dataset part {part!r} (weight {w:g} of {total:g}) would have no held-out items of "
+                f"eval_size {eval_size}: raise eval_size or its weight"
+            )
+        sources.append(src)
+    return Source("; ".join(src.name for src in sources), _Mixed([s.train for s in sources], weights, size, seed),
+                  [it for src in sources for it in src.eval])  # fmt: skip
+
+
+def check_spec(spec: str) -> list[str]:
+    """What can be checked of a dataset spec without reading it: each part's syntax and weight, reasoning-gym task
+    names, that files exist. Returns the verifiers the file parts name (`@verifier`), for the caller to check."""
+    parts = [p.strip() for p in spec.split(";") if p.strip()]
+    if not parts:
+        raise ValueError("empty dataset spec")
+    verifiers = []
+    for part in parts:
+        part_weight(part)
+        if part.startswith("reasoning_gym:"):
+            from reasoning_gym.factory import DATASETS
+
+            unknown = sorted(set(parse_tasks(part[len("reasoning_gym:") :])) - set(DATASETS))
+            if unknown:
+                raise ValueError(f"unknown reasoning-gym tasks {unknown}; e.g. chain_sum, basic_arithmetic")
+        else:
+            path, verifier, _ = _file_part(part)
+            if not path.is_file():
+                raise FileNotFoundError(f"dataset file {path} not found")
+            verifiers += [verifier] if verifier else []
+    return verifiers
+
+
+def part_weight(part: str) -> float:
+    """The weight of one part of a mixture: a reasoning-gym part's tasks' sum, a file part's `=w` (default 1)."""
+    if part.startswith("reasoning_gym:"):
+        return sum(parse_tasks(part[len("reasoning_gym:") :]).values())
+    if part.startswith("file:"):
+        return _file_part(part)[2]
+    raise ValueError(f"dataset {part!r}: use reasoning_gym:<task>[=w,...] or file:<path>[@verifier][=w], ';' between")
+
+
+def _file_part(part: str) -> tuple[Path, str | None, float]:
+    """file:PATH[@VERIFIER][=WEIGHT] -> (path, verifier, weight)."""
+    rest = part[len("file:") :]
+    weight = 1.0
+    head, eq, tail = rest.rpartition("=")
+    if eq:
+        try:
+            weight = float(tail)
+        except ValueError:
+            raise ValueError(f"dataset part {part!r}: weight {tail!r} is not a number") from None
+        rest = head
+        if weight <= 0:
+            raise ValueError(f"dataset part {part!r}: weight must be > 0")
+    path, at, verifier = rest.partition("@")
+    return Path(path), (verifier if at else None), weight
+
+
+def _load_part(
+    part: str,
+    size: int,
+    seed: int,
+    eval_size: int,
+    config: dict[str, dict[str, Any]],
+    template: Template,
+    file_verifier: str | None,
+) -> Source:
+    if part.startswith("reasoning_gym:"):
+        tasks = parse_tasks(part[len("reasoning_gym:") :])
+        return reasoning_gym_source(tasks, size=size, seed=seed, eval_size=eval_size, config=config, template=template)
+    path, verifier, _ = _file_part(part)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {path} not found")
+    return file_source(path, eval_size=eval_size, seed=seed, template=template, verifier=verifier or file_verifier)
+
+
+class _Mixed(Sequence[Item]):
+    """Parts drawn by weight: position i's part is a seeded weighted draw; its k-th position takes the part's
+    item k (cycling through a part shorter than its share)."""
+
+    def __init__(self, parts: list[Sequence[Item]], weights: list[float], size: int, seed: int):
+        rng = random.Random(seed * 7919 + 17)
+        self.parts = parts
+        self.slots: list[tuple[int, int]] = []
+        seen = [0] * len(parts)
+        for j in rng.choices(range(len(parts)), weights, k=size):
+            self.slots.append((j, seen[j] % len(parts[j])))
+            seen[j] += 1
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i: int) -> Item:  # type: ignore[override]
+        j, k = self.slots[i]
+        return self.parts[j][k]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
@@ -300,6 +300,9 @@ class EvalResult(Message):
     )
     later_token_frac: FiniteFloat = Field(
         0.0, ge=0.0, le=1.0, description="Share of its tokens sampled by versions newer than `version`."
+    )
+    by_task: dict[str, Annotated[FiniteFloat, Field(ge=0.0, le=1.0)]] = Field(
+        default_factory=dict, description="avg@k per task (the items' data source); empty from older replicas."
     )
     created_at: float = Field(default_factory=time.time)
 

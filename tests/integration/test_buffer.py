@@ -14,6 +14,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
+from buffer.curriculum import KEY_PROMPT_STATE, PromptState
 from buffer.metrics import BufferMetrics
 from buffer.service import KEY_CURSOR, Buffer
 from buffer.settings import BufferSettings
@@ -264,6 +265,8 @@ def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
+    before = client.hgetall(KEY_PROMPT_STATE)
+    assert len(before) == 10  # every received group counted in its prompt's state before the kill
     proc = start()
     try:
         serve_until(rollout, 16)
@@ -280,6 +283,10 @@ def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
     assert sorted(in_batches) == sorted(g.group_id for g in rollout.groups)  # all 16, each exactly once
     prompt_ids = [decode(f, PromptTask).prompt_id for _, f in client.xrange(STREAM_PROMPTS)]
     assert len(prompt_ids) == len(set(prompt_ids))  # the cursor continued: no prompt dispatched twice
+    after = client.hgetall(KEY_PROMPT_STATE)
+    assert all(after[k] == v for k, v in before.items())  # the state survived the kill, the carry's 2 groups
+    # (delivered again to the restarted buffer) were not counted twice
+    assert len(after) == 16 and all(PromptState.parse(v).groups == 1 for v in after.values())
 
 
 def test_streams_are_trimmed_but_unacknowledged_entries_stay(client: redis.Redis) -> None:
@@ -305,8 +312,8 @@ def test_a_verl_parquet_file_is_dispatched(client: redis.Redis, tmp_path: Path) 
              "reward_model": {"ground_truth": str(3 * i), "style": "rule"}, "extra_info": {"index": i}}
             for i in range(12)]  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "math.parquet")
-    s = settings(dataset=f"file:{tmp_path / 'math.parquet'}", eval_size=2, prompt_template="dapo", max_staleness=3,
-                 max_epochs=1)  # fmt: skip
+    s = settings(dataset=f"file:{tmp_path / 'math.parquet'}@dapo_math", eval_size=2, prompt_template="dapo",
+                 max_staleness=3, max_epochs=1)  # fmt: skip
     source = load_source(s.dataset, eval_size=s.eval_size, template=s.prompt_template)
     buffer = Buffer(s, client, source, BufferMetrics(CollectorRegistry()))
     buffer.step(block_ms=10)

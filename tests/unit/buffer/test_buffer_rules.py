@@ -102,7 +102,7 @@ def test_verl_parquet_and_jsonl(tmp_path: Path) -> None:
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     for name in ("d.parquet", "d.jsonl"):
-        src = load_source(f"file:{tmp_path / name}", eval_size=4, seed=0, template="dapo")
+        src = load_source(f"file:{tmp_path / name}@dapo_math", eval_size=4, seed=0, template="dapo")
         assert len(src.train) == 16 and len(src.eval) == 4
         every = list(src.train) + src.eval
         assert sorted(it.prompt_id for it in every) == sorted(f"file/{name}/q{i}" for i in range(20))

@@ -1,0 +1,147 @@
+"""Which prompts to roll out: per-prompt pass-rate state in Redis and the curriculum dispatch policy.
+
+Dynamic sampling drops every group whose samples all agree (all right or all wrong), and which prompts give such
+groups is predictable: one whose last groups were all right is likely to be so again (GRESO, arXiv 2506.02177;
+online difficulty filtering, arXiv 2504.03380). Each scored group updates its prompt's state, one Redis hash field
+per prompt (`KEY_PROMPT_STATE`), in one server-side script:
+
+    states = PromptStates(client, decay=0.5)
+    states.record(group, zero_variance=True, version=12)   # idempotent by group id: a redelivery counts once
+    q = zero_variance_probability(states.get(["p1"])[0], n_samples=8)   # P(the next group is filtered)
+    dispatch with probability max(explore, 1 - q)                        # policy "curriculum"; "uniform": always
+
+The state keeps decayed counts of correct and sampled answers (each older group weighs `decay` times less: the
+policy moves), so the pass rate is an exponentially weighted one. The prediction is the Beta-binomial probability
+that G samples all agree: with p ~ Beta(a, b), a = prior·m0 + correct, b = prior·(1 - m0) + wrong,
+P(all right) = Π_{i<G} (a+i)/(a+b+i) and P(all wrong) = Π_{i<G} (b+i)/(a+b+i). The prior Beta(0.25, 0.25) is
+U-shaped, as pass rates are (most prompts are solved or unsolved): one all-right group of 8 predicts 0.85, a 7 of
+8 group 0.44. A prompt with no history is always dispatched (nothing predicts it), and one predicted to be filtered
+still comes back with probability `explore`: a solved prompt can be forgotten, an unsolved one can become solvable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from services.schemas import ScoredGroup
+from services.streams import redis_errors
+
+KEY_PROMPT_STATE = (
+    "dapo:buffer:prompt-state"  # hash: prompt id -> JSON [correct, samples, groups, version, streak, tags]
+)
+RECENT_TAGS = 4  # group ids (8 hex digits each) remembered per prompt: a redelivered group is not counted twice
+BANDS = ((0.0, "unsolved"), (0.05, "hard"), (0.35, "medium"), (0.65, "easy"), (0.95, "solved"))
+
+# KEYS[1] the hash; ARGV: prompt id, group tag, correct, samples, zero-variance (0/1), version, decay, tags kept.
+# Returns the prompt's state after the update (unchanged when the tag was already counted).
+_RECORD_LUA = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+local s = raw and cjson.decode(raw) or {0, 0, 0, 0, 0, {}}
+for _, t in ipairs(s[6]) do if t == ARGV[2] then return raw end end
+local decay = tonumber(ARGV[7])
+s[1] = s[1] * decay + tonumber(ARGV[3])
+s[2] = s[2] * decay + tonumber(ARGV[4])
+s[3] = s[3] + 1
+s[4] = math.max(s[4], tonumber(ARGV[6]))
+if ARGV[5] == '1' then s[5] = s[5] + 1 else s[5] = 0 end
+local tags = {ARGV[2]}
+for i = 1, math.min(#s[6], tonumber(ARGV[8]) - 1) do tags[i + 1] = s[6][i] end
+s[6] = tags
+raw = cjson.encode(s)
+redis.call('HSET', KEYS[1], ARGV[1], raw)
+return raw
+"""
+
+
+@dataclass(frozen=True)
+class PromptState:
+    correct: float  # decayed count of correct samples
+    samples: float  # decayed count of samples
+    groups: int  # groups recorded
+    version: int  # the newest policy version that sampled one of its groups
+    streak: int  # groups in a row whose samples all agreed
+
+    @property
+    def pass_rate(self) -> float:
+        return self.correct / self.samples if self.samples else float("nan")
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> PromptState:
+        c, m, n, v, z, _ = json.loads(raw)
+        return cls(float(c), float(m), int(n), int(v), int(z))
+
+
+def zero_variance_probability(
+    state: PromptState | None, n_samples: int, *, prior: float = 0.5, prior_mean: float = 0.5
+) -> float | None:
+    """P(a group of `n_samples` of this prompt all right or all wrong), Beta-binomial; None without history."""
+    if state is None or state.groups == 0:
+        return None
+    a = prior * prior_mean + state.correct
+    b = prior * (1 - prior_mean) + max(0.0, state.samples - state.correct)
+    all_right = all_wrong = 1.0
+    for i in range(n_samples):
+        all_right *= (a + i) / (a + b + i)
+        all_wrong *= (b + i) / (a + b + i)
+    return min(1.0, all_right + all_wrong)
+
+
+def dispatch_probability(q: float | None, explore: float) -> float:
+    """The curriculum's chance of dispatching a prompt whose next group is filtered with probability q."""
+    return 1.0 if q is None else max(explore, 1.0 - q)
+
+
+def decide(probability: float, seed: int, epoch: int, position: int) -> bool:
+    """A seeded draw per dispatch slot: a restarted buffer makes the same choices for the same slots."""
+    return random.Random(f"{seed}:{epoch}:{position}").random() < probability
+
+
+def band(state: PromptState | None) -> str:
+    """The difficulty band of a prompt by its (decayed) pass rate; "unseen" without history."""
+    if state is None or not state.samples:
+        return "unseen"
+    name = BANDS[0][1]
+    for lower, label in BANDS:
+        if state.pass_rate >= lower:
+            name = label
+    return name
+
+
+def group_tag(group_id: str) -> str:
+    return hashlib.blake2b(group_id.encode(), digest_size=4).hexdigest()
+
+
+class PromptStates:
+    """The per-prompt state in Redis. Every update is one script run: two buffers never interleave on a prompt."""
+
+    def __init__(self, client: redis.Redis, *, decay: float = 0.5):
+        self.client, self.decay = client, decay
+        self._record = client.register_script(_RECORD_LUA)
+
+    def record(self, group: ScoredGroup, *, zero_variance: bool, version: int) -> PromptState:
+        """Count one scored group (its accuracy, whether its samples all agreed, the newest version that sampled
+        it); a group already counted (redelivered after a restart, or read by two buffers) changes nothing."""
+        correct = sum(s.acc for s in group.scores)
+        args = [group.task.prompt_id, group_tag(group.group_id), correct, len(group.scores), int(zero_variance)]
+        with redis_errors(self.client):
+            raw = self._record(keys=[KEY_PROMPT_STATE], args=[*args, version, self.decay, RECENT_TAGS])
+        return PromptState.parse(raw)
+
+    def get(self, prompt_ids: Sequence[str]) -> list[PromptState | None]:
+        if not prompt_ids:
+            return []
+        with redis_errors(self.client):
+            raws = self.client.hmget(KEY_PROMPT_STATE, list(prompt_ids))
+        return [PromptState.parse(r) if r is not None else None for r in raws]
+
+    def scan(self) -> Iterator[tuple[str, PromptState]]:
+        """Every prompt's state (HSCAN: in pages, never one long command)."""
+        with redis_errors(self.client):
+            for key, raw in self.client.hscan_iter(KEY_PROMPT_STATE, count=1000):
+                yield (key.decode() if isinstance(key, bytes) else key), PromptState.parse(raw)

@@ -1,0 +1,55 @@
+"""The curriculum's maths (buffer/curriculum.py): the Beta-binomial prediction, the dispatch chance, the bands."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from buffer.curriculum import PromptState, band, decide, dispatch_probability, zero_variance_probability
+
+
+def state(correct: float, samples: float, groups: int = 1, streak: int = 0) -> PromptState:
+    return PromptState(correct, samples, groups, 0, streak)
+
+
+def test_prediction_is_the_beta_binomial_probability_that_g_samples_agree() -> None:
+    assert zero_variance_probability(None, 8) is None  # no history: nothing to predict
+    assert zero_variance_probability(state(0, 0, groups=0), 8) is None
+    # the closed form, checked by Monte Carlo: p ~ Beta(a, b), then 8 draws all equal
+    a, b = 0.25 + 7, 0.25 + 1
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(40_000):
+        p = rng.betavariate(a, b)
+        k = sum(rng.random() < p for _ in range(8))
+        hits += k in (0, 8)
+    q = zero_variance_probability(state(7, 8), 8)
+    assert q is not None and abs(q - hits / 40_000) < 0.01
+    one_right = zero_variance_probability(state(8, 8), 8)
+    assert one_right is not None and 0.8 < one_right < 0.9  # one all-right group: 0.85 with the default prior
+    two_right = zero_variance_probability(state(8 * 1.5, 8 * 1.5, groups=2), 8)  # a second one, decay 0.5
+    assert two_right is not None and two_right > one_right  # more evidence: surer
+    half = zero_variance_probability(state(4, 8), 8)
+    assert half is not None and half < 0.05  # a 4-of-8 prompt is informative
+    assert zero_variance_probability(state(8, 8), 1) == pytest.approx(1.0)  # one sample always agrees with itself
+
+
+def test_dispatch_chance_has_an_exploration_floor() -> None:
+    assert dispatch_probability(None, 0.1) == 1.0
+    assert dispatch_probability(0.3, 0.1) == pytest.approx(0.7)
+    assert dispatch_probability(0.99, 0.1) == 0.1
+    assert dispatch_probability(1.0, 0.0) == 0.0
+
+
+def test_decisions_are_seeded_per_slot_and_match_their_probability() -> None:
+    assert [decide(0.5, 3, 1, i) for i in range(50)] == [decide(0.5, 3, 1, i) for i in range(50)]
+    assert [decide(0.5, 3, 1, i) for i in range(50)] != [decide(0.5, 3, 2, i) for i in range(50)]
+    hits = sum(decide(0.15, 7, 0, i) for i in range(20_000)) / 20_000
+    assert abs(hits - 0.15) < 3 * math.sqrt(0.15 * 0.85 / 20_000)
+
+
+def test_bands() -> None:
+    assert band(None) == "unseen"
+    assert [band(state(c, 8)) for c in (0, 1, 4, 7, 8)] == ["unsolved", "hard", "medium", "easy", "solved"]
