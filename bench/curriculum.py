@@ -1,6 +1,6 @@
 """Curriculum state: the per-prompt pass-rate state of a 100,000-prompt dataset in Redis, and its update rate.
 
-Memory: used_memory before and after every prompt has a state (4 groups recorded each, so each holds its full list
+Memory: used_memory before and after every prompt has a state (8 groups recorded each, so each holds its full list
 of recent group tags), per prompt; the limit is a bare HSET of a 1-byte value per prompt (what the hash's keys
 alone cost). Rate: PromptStates.record (the Lua script: read, decay, write) vs a raw HSET of the same JSON, one
 round trip each, on the same Redis in the same run. Run: `python -m bench.curriculum [--prompts N]`.
@@ -47,7 +47,7 @@ def _memory(client: redis.Redis, prompts: int, states: PromptStates) -> tuple[fl
     bare = int(client.info("memory")["used_memory"]) - base
     client.delete("bench:bare")
     base = int(client.info("memory")["used_memory"])
-    for rnd in range(4):  # 4 groups each: the full list of recent tags
+    for rnd in range(8):  # 8 groups each: the full list of recent tags (RECENT_TAGS)
         for i in range(prompts):
             task = g.task.model_copy(update={"prompt_id": _prompt_id(i), "task_id": f"{_prompt_id(i)}#e{rnd}p{i}"})
             states.record(g.model_copy(update={"task": task}), zero_variance=rnd % 2 == 0, version=rnd)
@@ -66,16 +66,21 @@ def run(redis_url: str | None = None, prompts: int = 100_000) -> list[Result]:
         states = PromptStates(client, decay=0.5)
         per_prompt, bare = _memory(client, prompts, states)
         groups = _groups(2000)
-        raw = states.record(groups[0], zero_variance=False, version=0)
+        _, raw, _ = states.record(groups[0], zero_variance=False, version=0)
         payload = f'[{raw.correct},{raw.samples},{raw.groups},0,0,["0a1b2c3d","0a1b2c3d"]]'
 
-        def ours() -> int:
+        rounds = iter(range(10**6))
+
+        def ours() -> int:  # new group ids every round: each update is counted (not a duplicate's early return)
+            r = next(rounds)
             for g in groups:
-                states.record(g, zero_variance=False, version=1)
+                task = g.task.model_copy(update={"task_id": f"{g.task.task_id}r{r}"})
+                states.record(g.model_copy(update={"task": task}), zero_variance=False, version=1)
             return len(groups)
 
-        def limit() -> int:
+        def limit() -> int:  # the same model_copy per group as ours, then a bare HSET
             for g in groups:
+                g.model_copy(update={"task": g.task.model_copy(update={"task_id": g.task.task_id})})
                 client.hset("bench:raw", g.task.prompt_id, payload)
             return len(groups)
 

@@ -6,7 +6,8 @@ online difficulty filtering, arXiv 2504.03380). Each scored group updates its pr
 per prompt (`KEY_PROMPT_STATE`), in one server-side script:
 
     states = PromptStates(client, decay=0.5)
-    states.record(group, zero_variance=True, version=12)   # idempotent by group id: a redelivery counts once
+    before, after, counted = states.record(group, zero_variance=True, version=12)   # counted: False for a
+                                                                                    # redelivered group (counted once)
     q = zero_variance_probability(states.get(["p1"])[0], n_samples=8)   # P(the next group is filtered)
     dispatch with probability max(explore, 1 - q)                        # policy "curriculum"; "uniform": always
 
@@ -14,8 +15,8 @@ The state keeps decayed counts of correct and sampled answers (each older group 
 policy moves), so the pass rate is an exponentially weighted one. The prediction is the Beta-binomial probability
 that G samples all agree: with p ~ Beta(a, b), a = prior·m0 + correct, b = prior·(1 - m0) + wrong,
 P(all right) = Π_{i<G} (a+i)/(a+b+i) and P(all wrong) = Π_{i<G} (b+i)/(a+b+i). The prior Beta(0.25, 0.25) is
-U-shaped, as pass rates are (most prompts are solved or unsolved): one all-right group of 8 predicts 0.85, a 7 of
-8 group 0.44. A prompt with no history is always dispatched (nothing predicts it), and one predicted to be filtered
+U-shaped, as pass rates are (most prompts are solved or unsolved): one all-right group of 8 predicts 0.84, a 7 of
+8 group 0.40. A prompt with no history is always dispatched (nothing predicts it), and one predicted to be filtered
 still comes back with probability `explore`: a solved prompt can be forgotten, an unsolved one can become solvable.
 """
 
@@ -35,15 +36,15 @@ from services.streams import redis_errors
 KEY_PROMPT_STATE = (
     "dapo:buffer:prompt-state"  # hash: prompt id -> JSON [correct, samples, groups, version, streak, tags]
 )
-RECENT_TAGS = 4  # group ids (8 hex digits each) remembered per prompt: a redelivered group is not counted twice
+RECENT_TAGS = 8  # group ids (8 hex digits each) remembered per prompt: a redelivered group is not counted twice
 BANDS = ((0.0, "unsolved"), (0.05, "hard"), (0.35, "medium"), (0.65, "easy"), (0.95, "solved"))
 
 # KEYS[1] the hash; ARGV: prompt id, group tag, correct, samples, zero-variance (0/1), version, decay, tags kept.
-# Returns the prompt's state after the update (unchanged when the tag was already counted).
+# Returns {the state before ('' if none), the state after, 1 if counted now / 0 if the tag was already counted}.
 _RECORD_LUA = """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 local s = raw and cjson.decode(raw) or {0, 0, 0, 0, 0, {}}
-for _, t in ipairs(s[6]) do if t == ARGV[2] then return raw end end
+for _, t in ipairs(s[6]) do if t == ARGV[2] then return {raw, raw, 0} end end
 local decay = tonumber(ARGV[7])
 s[1] = s[1] * decay + tonumber(ARGV[3])
 s[2] = s[2] * decay + tonumber(ARGV[4])
@@ -53,9 +54,9 @@ if ARGV[5] == '1' then s[5] = s[5] + 1 else s[5] = 0 end
 local tags = {ARGV[2]}
 for i = 1, math.min(#s[6], tonumber(ARGV[8]) - 1) do tags[i + 1] = s[6][i] end
 s[6] = tags
-raw = cjson.encode(s)
-redis.call('HSET', KEYS[1], ARGV[1], raw)
-return raw
+local new = cjson.encode(s)
+redis.call('HSET', KEYS[1], ARGV[1], new)
+return {raw or '', new, 1}
 """
 
 
@@ -124,14 +125,17 @@ class PromptStates:
         self.client, self.decay = client, decay
         self._record = client.register_script(_RECORD_LUA)
 
-    def record(self, group: ScoredGroup, *, zero_variance: bool, version: int) -> PromptState:
+    def record(
+        self, group: ScoredGroup, *, zero_variance: bool, version: int
+    ) -> tuple[PromptState | None, PromptState, bool]:
         """Count one scored group (its accuracy, whether its samples all agreed, the newest version that sampled
-        it); a group already counted (redelivered after a restart, or read by two buffers) changes nothing."""
+        it): (the state before, after, counted now). A group already counted (redelivered after a restart, or read
+        by two buffers) changes nothing and says so (counted False)."""
         correct = sum(s.acc for s in group.scores)
         args = [group.task.prompt_id, group_tag(group.group_id), correct, len(group.scores), int(zero_variance)]
         with redis_errors(self.client):
-            raw = self._record(keys=[KEY_PROMPT_STATE], args=[*args, version, self.decay, RECENT_TAGS])
-        return PromptState.parse(raw)
+            old, new, counted = self._record(keys=[KEY_PROMPT_STATE], args=[*args, version, self.decay, RECENT_TAGS])
+        return (PromptState.parse(old) if old else None), PromptState.parse(new), bool(counted)
 
     def get(self, prompt_ids: Sequence[str]) -> list[PromptState | None]:
         if not prompt_ids:

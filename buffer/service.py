@@ -38,7 +38,7 @@ from buffer.curriculum import (
 from buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, pass_rate, version_lag
 from buffer.metrics import BufferMetrics
 from buffer.settings import BufferSettings
-from services.datasets import Item, Source
+from services.datasets import Item, Source, distinct_prompts
 from services.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
 from services.stream_admin import safe_trim, stream_stats
 from services.streams import (
@@ -281,21 +281,22 @@ class Buffer:
 
     def learn(self, g: ScoredGroup) -> None:
         """Count the group in its prompt's state (every received group, stale ones too: they tell how hard the
-        prompt is), and the prediction the state held before it against what came."""
+        prompt is), and the prediction the state held before it against what came (once per group: a group
+        delivered again after a restart is neither counted again nor scored again)."""
         correct = sum(s.acc for s in g.scores)
         agreed = correct in (0, len(g.scores))
-        q = self.predict(self.states.get([g.task.prompt_id])[0])
-        if q is not None:
+        before, _, counted = self.states.record(g, zero_variance=agreed, version=g.max_version)
+        q = self.predict(before)
+        if counted and q is not None:
             self.m.predicted.inc(q)
             self.m.predicted_groups.inc()
             self.m.observed.inc(agreed)
-        self.states.record(g, zero_variance=agreed, version=g.max_version)
 
     def update_bands(self) -> None:
         """Prompts per difficulty band (HSCAN of the state, every BANDS_EVERY_S); "unseen": training prompts with
         no group yet."""
         counts = collections.Counter(band(state) for _, state in self.states.scan())
-        counts["unseen"] = max(0, len(self.source.train) - sum(counts.values()))
+        counts["unseen"] = max(0, distinct_prompts(self.source.train) - sum(counts.values()))
         for name in ("unseen", *(label for _, label in BANDS)):
             self.m.bands.labels(name).set(counts.get(name, 0))
         self.next_bands = time.monotonic() + BANDS_EVERY_S

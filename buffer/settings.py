@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.datasets import DEFAULT_DATASET_CONFIG
 from services.settings import RedisSettings, ServiceSettings
@@ -18,7 +18,8 @@ class BufferSettings(ServiceSettings, RedisSettings):
     run_dir: Path = Field(Path(".dapo/buffer"), description="Where the evaluation split is written.")
     dataset: str = Field(
         "reasoning_gym:chain_sum",
-        description="reasoning_gym:<task>[=weight,...] or file:<path.parquet|.jsonl> (verl / DAPO-Math-17k schema).",
+        description="reasoning_gym:<task>[=weight,...] or file:<path.parquet|.jsonl>[@verifier][=weight] (verl / "
+        "DAPO-Math-17k schema); several parts, separated by ';', mix by weight.",
     )
     dataset_size: int = Field(10_000, ge=1, description="reasoning-gym: items generated for training.")
     dataset_seed: int = Field(42, description="reasoning-gym: generator seed.")
@@ -29,7 +30,9 @@ class BufferSettings(ServiceSettings, RedisSettings):
     prompt_template: Literal["dapo", "short", "none"] = Field(
         "short", description="dapo: DAPO-Math-17k instruction; short: question + Answer: hint; none: as is."
     )
-    file_verifier: str | None = Field(None, description="Verifier for file datasets (default dapo_math).")
+    file_verifier: str | None = Field(
+        None, description="Verifier of file rows that name none, where the file part names none (@verifier)."
+    )
     eval_size: int = Field(200, ge=0, description="Held-out prompts, never dispatched for training.")
     shuffle_seed: int = Field(0, description="Seed of the per-epoch shuffle.")
     max_epochs: int | None = Field(None, ge=1, description="Stop dispatching after this many epochs.")
@@ -40,7 +43,7 @@ class BufferSettings(ServiceSettings, RedisSettings):
     dispatch_policy: Literal["uniform", "curriculum"] = Field(
         "uniform",
         description="uniform: every prompt in turn; curriculum: a prompt predicted to give a group that dynamic "
-        "sampling drops is skipped with that probability (docs: concepts/curriculum.md).",
+        "sampling drops is skipped with that probability (docs: services/curriculum.md).",
     )
     curriculum_explore: float = Field(
         0.1, ge=0, le=1, description="curriculum: the least chance of dispatching a prompt predicted to be filtered."
@@ -63,6 +66,17 @@ class BufferSettings(ServiceSettings, RedisSettings):
     keep_dropped: int = Field(100_000, ge=0, description="Records kept in dapo:dropped (~150 B each; the audit).")
     consumer_name: str = Field("buffer-0", description="Consumer name in the rollouts stream's group.")
     claim_idle_ms: int = Field(60_000, ge=0, description="Reclaim groups another buffer left idle this long.")
+
+    @model_validator(mode="after")
+    def _curriculum_predicts_the_filter(self) -> Self:
+        """The curriculum predicts DAPO's accuracy filter: without it (or with the reward-std filter) it would skip
+        prompts for a verdict nothing makes."""
+        if self.dispatch_policy == "curriculum" and (not self.dynamic_sampling or self.continuous_rewards):
+            raise ValueError(
+                "dispatch_policy curriculum predicts dynamic sampling's accuracy filter: it needs dynamic_sampling "
+                "on and continuous_rewards off"
+            )
+        return self
 
     @field_validator("dataset_config", mode="before")
     @classmethod

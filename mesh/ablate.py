@@ -49,10 +49,14 @@ class Waste:
     later_generated_per_trained: float
 
 
+def _finite(*xs: Any) -> bool:
+    return all(isinstance(x, int | float) and math.isfinite(x) for x in xs)
+
+
 def read_waste(run_dir: Path) -> Waste | None:
     path = RunLayout(run_dir).metrics
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    rows = [r for r in rows if r.get("kind") != "eval" and "groups_received" in r and "groups_kept" in r]
+    rows = [r for r in rows if r.get("kind") != "eval" and _finite(r.get("groups_received"), r.get("groups_kept"))]
     if not rows:
         return None
     last = rows[-1]

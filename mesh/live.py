@@ -138,9 +138,9 @@ def curriculum_numbers(states: list[ServiceState]) -> dict[str, float]:
     dispatched = value(states, "dapo_buffer_prompts_dispatched_total", prefix="buffer")
     if not math.isnan(skipped) and dispatched + skipped > 0:
         out["skip_frac"] = skipped / (dispatched + skipped)
-    for st in states:
+    for st in states:  # every buffer counts the same shared state: the largest count, not the sum
         for lab, v in st.metrics.get("dapo_buffer_prompts_by_band", []):
-            out[f"band/{lab['band']}"] = out.get(f"band/{lab['band']}", 0.0) + v
+            out[f"band/{lab['band']}"] = max(out.get(f"band/{lab['band']}", 0.0), v)
     return out
 
 

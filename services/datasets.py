@@ -250,19 +250,33 @@ def load_source(
     weights = [part_weight(p) for p in parts]
     if len(parts) == 1:
         return _load_part(parts[0], size, seed, eval_size, config or {}, template, file_verifier)
-    total = sum(weights)
     sources = []
-    for part, w in zip(parts, weights, strict=True):
-        share = round(eval_size * w / total)
+    for part, w, share in zip(parts, weights, apportion(eval_size, weights), strict=True):
         src = _load_part(part, size, seed, share, config or {}, template, file_verifier)
+        if not src.train:
+            raise ValueError(f"dataset part {part!r} has no training items")
         if eval_size and not src.eval:
             raise ValueError(
-                f"dataset part {part!r} (weight {w:g} of {total:g}) would have no held-out items of "
+                f"dataset part {part!r} (weight {w:g} of {sum(weights):g}) would have no held-out items of "
                 f"eval_size {eval_size}: raise eval_size or its weight"
             )
         sources.append(src)
     return Source("; ".join(src.name for src in sources), _Mixed([s.train for s in sources], weights, size, seed),
                   [it for src in sources for it in src.eval])  # fmt: skip
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """`total` split by weight, largest remainders first: the shares add up to `total` exactly."""
+    exact = [total * w / sum(weights) for w in weights]
+    shares = [int(x) for x in exact]
+    for i in sorted(range(len(weights)), key=lambda i: shares[i] - exact[i])[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def distinct_prompts(items: Sequence[Item]) -> int:
+    """How many different prompts a training sequence holds (a mixture may hold a short part's prompts twice)."""
+    return items.distinct if isinstance(items, _Mixed) else len(items)
 
 
 def check_spec(spec: str) -> list[str]:
@@ -298,11 +312,12 @@ def part_weight(part: str) -> float:
 
 
 def _file_part(part: str) -> tuple[Path, str | None, float]:
-    """file:PATH[@VERIFIER][=WEIGHT] -> (path, verifier, weight)."""
+    """file:PATH[@VERIFIER][=WEIGHT] -> (path, verifier, weight); a path may hold '=' and '@' (the last of each is
+    the separator, and only a number after the last '=' is a weight)."""
     rest = part[len("file:") :]
     weight = 1.0
     head, eq, tail = rest.rpartition("=")
-    if eq:
+    if eq and "/" not in tail:
         try:
             weight = float(tail)
         except ValueError:
@@ -310,8 +325,10 @@ def _file_part(part: str) -> tuple[Path, str | None, float]:
         rest = head
         if weight <= 0:
             raise ValueError(f"dataset part {part!r}: weight must be > 0")
-    path, at, verifier = rest.partition("@")
-    return Path(path), (verifier if at else None), weight
+    path, at, verifier = rest.rpartition("@")
+    if not at or "/" in verifier:  # no '@', or one inside the path
+        return Path(rest), None, weight
+    return Path(path), verifier, weight
 
 
 def _load_part(
@@ -333,17 +350,19 @@ def _load_part(
 
 
 class _Mixed(Sequence[Item]):
-    """Parts drawn by weight: position i's part is a seeded weighted draw; its k-th position takes the part's
-    item k (cycling through a part shorter than its share)."""
+    """Parts drawn by weight: position i's part is a seeded weighted draw, and a part's k-th position takes its
+    k-th item in a seeded order of the part (cycling through a part shorter than its share)."""
 
     def __init__(self, parts: list[Sequence[Item]], weights: list[float], size: int, seed: int):
         rng = random.Random(seed * 7919 + 17)
         self.parts = parts
+        self.orders = [rng.sample(range(len(p)), len(p)) for p in parts]
         self.slots: list[tuple[int, int]] = []
         seen = [0] * len(parts)
         for j in rng.choices(range(len(parts)), weights, k=size):
-            self.slots.append((j, seen[j] % len(parts[j])))
+            self.slots.append((j, self.orders[j][seen[j] % len(parts[j])]))
             seen[j] += 1
+        self.distinct = sum(min(n, len(p)) for n, p in zip(seen, parts, strict=True))
 
     def __len__(self) -> int:
         return len(self.slots)

@@ -53,3 +53,13 @@ def test_decisions_are_seeded_per_slot_and_match_their_probability() -> None:
 def test_bands() -> None:
     assert band(None) == "unseen"
     assert [band(state(c, 8)) for c in (0, 1, 4, 7, 8)] == ["unsolved", "hard", "medium", "easy", "solved"]
+
+
+def test_the_curriculum_needs_the_accuracy_filter_it_predicts() -> None:
+    from buffer.settings import BufferSettings
+
+    with pytest.raises(ValueError, match="needs dynamic_sampling on"):
+        BufferSettings(dispatch_policy="curriculum", dynamic_sampling=False)
+    with pytest.raises(ValueError, match="continuous_rewards off"):
+        BufferSettings(dispatch_policy="curriculum", continuous_rewards=True)
+    assert BufferSettings(dispatch_policy="curriculum").dispatch_policy == "curriculum"

@@ -40,6 +40,19 @@ def test_a_mixture_draws_parts_by_weight_with_their_verifiers(tmp_path: Path) ->
     assert [again[i].prompt_id for i in range(50)] == [src.train[i].prompt_id for i in range(50)]  # same order
 
 
+def test_held_out_shares_add_up_and_paths_may_hold_separators(tmp_path: Path) -> None:
+    from services.datasets import _file_part, apportion
+
+    assert apportion(200, [1, 1, 1]) == [67, 67, 66] and apportion(5, [1, 1]) == [3, 2]
+    assert _file_part("file:/d/split=train/x.parquet") == (Path("/d/split=train/x.parquet"), None, 1.0)
+    assert _file_part("file:/a@b/x.jsonl@math_verify=2") == (Path("/a@b/x.jsonl"), "math_verify", 2.0)
+    assert _file_part("file:/a@b/x.jsonl") == (Path("/a@b/x.jsonl"), None, 1.0)
+    f = write_rows(tmp_path / "big.jsonl", 400)
+    src = load_source(f"reasoning_gym:basic_arithmetic=9; file:{f}@dapo_math=1", size=500, eval_size=10, config=CFG)
+    rows = [src.train[i].prompt_id for i in range(500) if src.train[i].data_source == "toy"]
+    assert len(set(rows)) == len(rows) and max(int(r.rsplit("/", 1)[1]) for r in rows) > 100  # not the file's head
+
+
 def test_a_row_verifier_wins_and_rows_without_one_are_an_error(tmp_path: Path) -> None:
     f = write_rows(tmp_path / "own.jsonl", 10, verifier="dapo_math")
     assert {it.verifier for it in load_source(f"file:{f}@math_verify", eval_size=2).train} == {"dapo_math"}

@@ -68,3 +68,22 @@ def test_seeded_sampling_is_repeatable_per_call() -> None:
     a, b = seeded(p, 7, ["t1", "t2"]), seeded(p, 7, ["t1", "t2"])
     assert a == b and a.seed is not None and 0 <= a.seed < 2**31
     assert seeded(p, 7, ["t1", "t3"]).seed != a.seed and seeded(p, 8, ["t1", "t2"]).seed != a.seed
+
+
+def test_waste_over_the_run_and_after_the_first_pass(tmp_path: Path) -> None:
+    from mesh.ablate import read_waste
+
+    assert read_waste(tmp_path) is None
+    rows = [{"kind": "train", "groups_received": 10, "groups_kept": 3, "epoch": 0},
+            {"kind": "train", "groups_received": 40, "groups_kept": 10, "epoch": 1},  # the first pass is over
+            {"kind": "eval", "eval_acc": 0.3},
+            {"kind": "train", "groups_received": 60, "groups_kept": 25, "epoch": 2},
+            {"kind": "train", "groups_received": float("nan"), "groups_kept": 26}]  # fmt: skip
+    tmp_path.mkdir(exist_ok=True)
+    RunLayout(tmp_path).metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    w = read_waste(tmp_path)
+    assert w is not None
+    assert w.filtered == pytest.approx(1 - 25 / 60) and w.generated_per_trained == pytest.approx(60 / 25)
+    assert w.later_filtered == pytest.approx(1 - 15 / 20) and w.later_generated_per_trained == pytest.approx(20 / 15)
+    table = markdown([RunResult("curriculum", 1, 0.4, 0.45, 45, w)])
+    assert "58% (25%)" in table and "2.40 (1.33)" in table

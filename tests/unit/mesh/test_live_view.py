@@ -61,3 +61,55 @@ def test_curves_png(tmp_path: Path) -> None:
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = curves.plot(metrics, tmp_path / "c.png")
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_per_task_and_curriculum_numbers_and_view() -> None:
+    a, b = "reasoning_gym/chain_sum", "reasoning_gym/basic_arithmetic"
+    buffer = ServiceState("buffer", 1, True, True, "running", {
+        "dapo_buffer_task_groups_total": [({"task": a, "outcome": "keep"}, 3.0), ({"task": a, "outcome": "all_wrong"},
+                                          9.0), ({"task": b, "outcome": "all_correct"}, 4.0)],
+        "dapo_buffer_curriculum_skipped_total": [({"task": b}, 6.0)],
+        "dapo_buffer_prompts_dispatched_total": [({}, 14.0)],
+        "dapo_buffer_curriculum_predicted_filtered_total": [({}, 4.5)],
+        "dapo_buffer_curriculum_observed_filtered_total": [({}, 5.0)],
+        "dapo_buffer_curriculum_predicted_groups_total": [({}, 10.0)],
+        "dapo_buffer_prompts_by_band": [({"band": "solved"}, 7.0), ({"band": "unseen"}, 3.0)],
+    })  # fmt: skip
+    twin = ServiceState(
+        "buffer-1", 5, True, True, "running", {"dapo_buffer_prompts_by_band": [({"band": "solved"}, 7.0)]}
+    )
+    replica = ServiceState("rollout-0", 2, True, True, "ready", {"dapo_eval_task_avg_at_k": [({"task": a}, 0.31)]})
+    n = mesh_numbers([buffer, twin, replica])
+    assert n[f"filtered_frac/{a}"] == 0.75 and n[f"groups_kept/{a}"] == 3.0 and n[f"heldout/{a}"] == 0.31
+    assert n[f"filtered_frac/{b}"] == 1.0 and n[f"groups_kept/{b}"] == 0.0 and n[f"skipped/{b}"] == 6.0
+    assert n["predicted_filtered_frac"] == 0.45 and n["observed_filtered_frac"] == 0.5 and n["skip_frac"] == 0.3
+    assert n["band/solved"] == 7.0 and n["band/unseen"] == 3.0  # two buffers see one shared state: not 14
+    view = LiveView(steps=10)
+    view.update([buffer, replica], {"reward_mean": 0.1}, 1)
+    console = Console(record=True, width=160)
+    console.print(view.render())
+    text = console.export_text()
+    assert a in text and "0.310" in text and "75%" in text and "solved 7" in text and "predicted filtered 45%" in text
+
+
+def test_curves_draw_a_line_per_task(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": i, "reward_mean": 0.1, "filtered_frac/x": 0.5, "filtered_frac/y": 0.2} for i in range(1, 4)]
+    rows.append({"kind": "eval", "step": 3, "eval_acc": 0.4, "eval_acc/x": 0.3, "eval_acc/y": 0.5})
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen: list[str] = []
+    real = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(kw.get("label", ""))
+        return real(self, *args, **kw)
+
+    matplotlib.axes.Axes.plot = spy  # type: ignore[method-assign]
+    try:
+        curves.plot(metrics, tmp_path / "c.png")
+    finally:
+        matplotlib.axes.Axes.plot = real  # type: ignore[method-assign]
+    assert {"x (eval_acc)", "y (eval_acc)", "x (filtered_frac)", "y (filtered_frac)"} <= set(seen)
