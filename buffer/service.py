@@ -219,15 +219,15 @@ class Buffer:
         if self.s.dispatch_policy == "uniform" or not slots:
             return [True] * len(slots)
         states = self.states.get([item.prompt_id for item, _, _ in slots])
-        return [
-            decide(
-                dispatch_probability(self.predict(state), self.s.curriculum_explore),
-                self.cursor.seed,
-                epoch,
-                position,
-            )
-            for (_, epoch, position), state in zip(slots, states, strict=True)
-        ]
+        return [decide(self.chance(state), self.cursor.seed, epoch, position)
+                for (_, epoch, position), state in zip(slots, states, strict=True)]  # fmt: skip
+
+    def chance(self, state: PromptState | None) -> float:
+        """The curriculum's chance of dispatching the prompt with this state."""
+        s = self.s
+        streak = state.streak if state is not None else 0
+        q = self.predict(state)
+        return dispatch_probability(q, streak, explore=s.curriculum_explore, streak_decay=s.curriculum_streak_decay)
 
     def predict(self, state: PromptState | None) -> float | None:
         """P(the prompt's next group is dropped by dynamic sampling); None: no history."""

@@ -46,7 +46,13 @@ class BufferSettings(ServiceSettings, RedisSettings):
         "sampling drops is skipped with that probability (docs: services/curriculum.md).",
     )
     curriculum_explore: float = Field(
-        0.1, ge=0, le=1, description="curriculum: the least chance of dispatching a prompt predicted to be filtered."
+        0.02, ge=0, le=1, description="curriculum: the least chance of dispatching a prompt predicted to be filtered."
+    )
+    curriculum_streak_decay: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="curriculum: the chance is multiplied by this per group in a row that was filtered.",
     )
     curriculum_decay: float = Field(
         0.5, ge=0, le=1, description="Weight of a prompt's older groups in its pass rate, per newer group."

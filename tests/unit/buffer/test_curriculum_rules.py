@@ -36,11 +36,14 @@ def test_prediction_is_the_beta_binomial_probability_that_g_samples_agree() -> N
     assert zero_variance_probability(state(8, 8), 1) == pytest.approx(1.0)  # one sample always agrees with itself
 
 
-def test_dispatch_chance_has_an_exploration_floor() -> None:
-    assert dispatch_probability(None, 0.1) == 1.0
-    assert dispatch_probability(0.3, 0.1) == pytest.approx(0.7)
-    assert dispatch_probability(0.99, 0.1) == 0.1
-    assert dispatch_probability(1.0, 0.0) == 0.0
+def test_dispatch_chance_decays_with_the_streak_down_to_the_exploration_floor() -> None:
+    def p(q: float | None, streak: int, explore: float = 0.02) -> float:
+        return dispatch_probability(q, streak, explore=explore, streak_decay=0.5)
+
+    assert p(None, 0) == 1.0  # no history: always
+    assert p(0.3, 0) == pytest.approx(0.7)  # the chance the group is kept
+    assert p(0.84, 1) == pytest.approx(0.08) and p(0.84, 2) == pytest.approx(0.04)  # each filtered group halves it
+    assert p(0.9, 5) == 0.02 and p(1.0, 0, explore=0.0) == 0.0  # the floor
 
 
 def test_decisions_are_seeded_per_slot_and_match_their_probability() -> None:
