@@ -450,6 +450,9 @@ def up(
             f"[green]done[/]: {cfg.steps} steps; logs in {mesh.paths.logs}, metrics in "
             f"{mesh.paths.metrics}, weights in {mesh.paths.snapshots}"
         )
+    except PresetError as e:  # the data, read before anything starts (Mesh.check_data)
+        Console(stderr=True).print(f"invalid mesh config: {e}", markup=False, highlight=False)
+        code = 2
     except KeyboardInterrupt:
         console.print("stopping (Ctrl-C)")
     finally:

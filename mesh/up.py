@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mesh.commands import allocate_ports, service_commands
-from mesh.config import MeshConfig
+from mesh.commands import allocate_ports, service_commands, service_values
+from mesh.config import MeshConfig, PresetError
 from mesh.layout import RunLayout
 from mesh.live import LiveView, ServiceState, scrape
 from mesh.recorder import RunRecorder, line
@@ -64,10 +64,11 @@ class Mesh:
         """Redis, then every service; returns once each answers /readyz."""
         model = self.model_dir()
         self.say(f"model: {model}")
+        self.ports = allocate_ports(self.cfg)
+        self.check_data(service_values(self.cfg, model, self.ports)["buffer"])
         self.started, self._cpu0 = time.monotonic(), time.process_time()  # the run's CPU, not the model's set-up
         self.url = self.cfg.redis_url or self.sup.start_redis()
         self.say(f"redis: {self.url}")
-        self.ports = allocate_ports(self.cfg)
         for cmd in service_commands(self.cfg, model, self.url, self.ports):
             self.sup.spawn(cmd)
         self.write_prometheus_targets()
@@ -80,6 +81,19 @@ class Mesh:
                 log_hint=f"; see {self.paths.log(name)}",
             )
             self.say(f"ready: {name} (http://127.0.0.1:{self.ports[name]})")
+
+    def check_data(self, buffer_values: dict[str, Any]) -> None:
+        """Read the dataset as the buffer will, before anything starts: a file row without a verifier, a part or task
+        whose held-out share would be empty, is an error now, not a buffer that fails to start."""
+        from buffer.runner import buffer_source
+        from buffer.settings import BufferSettings
+
+        try:
+            given = {k: v for k, v in buffer_values.items() if v is not None}  # None: the setting's default (to_flags)
+            source = buffer_source(BufferSettings.model_validate(given))
+        except (ValueError, OSError) as e:
+            raise PresetError(f"dataset {self.cfg.dataset!r}: {e}") from None
+        self.say(f"dataset: {source.name}, {len(source.train)} training prompts, {len(source.eval)} held out")
 
     def write_prometheus_targets(self) -> Path:
         """RUN_DIR/prometheus: the shipped local config and rules, and this mesh's services as targets."""

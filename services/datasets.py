@@ -262,7 +262,14 @@ def load_source(
             )
         sources.append(src)
     return Source("; ".join(src.name for src in sources), _Mixed([s.train for s in sources], weights, size, seed),
-                  [it for src in sources for it in src.eval])  # fmt: skip
+                  interleave([src.eval for src in sources]))  # fmt: skip
+
+
+def interleave(parts: Sequence[Sequence[Item]]) -> list[Item]:
+    """The parts' items merged evenly (each at its fraction of its own part): every prefix holds each part in about
+    its share, so an evaluation of the first n held-out items (rollout's --eval-size) sees every task."""
+    keyed = [((k + 0.5) / len(p), j, it) for j, p in enumerate(parts) for k, it in enumerate(p)]
+    return [it for _, _, it in sorted(keyed, key=lambda x: (x[0], x[1]))]
 
 
 def apportion(total: int, weights: Sequence[float]) -> list[int]:

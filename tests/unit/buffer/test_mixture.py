@@ -34,6 +34,9 @@ def test_a_mixture_draws_parts_by_weight_with_their_verifiers(tmp_path: Path) ->
     assert {it.verifier for it in src.train if it.data_source != "toy"} == {"reasoning_gym:basic_arithmetic"}
     held = collections.Counter(it.data_source for it in src.eval)
     assert held == {"reasoning_gym/basic_arithmetic": 30, "toy": 10}  # each part's share of eval_size
+    first = collections.Counter(it.data_source for it in src.eval[:8])
+    assert first == {"reasoning_gym/basic_arithmetic": 6, "toy": 2}  # interleaved: a prefix (the evaluator's
+    # --eval-size of them) holds every part in its share
     train_ids = {it.prompt_id for it in src.train}
     assert not train_ids & {it.prompt_id for it in src.eval}  # never a held-out prompt in training
     again = load_source(spec, size=2000, seed=1, eval_size=40, config=CFG).train

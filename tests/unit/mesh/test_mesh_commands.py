@@ -213,3 +213,15 @@ def test_the_cli_docstring_lists_every_command() -> None:
     listed = {w for line in (mesh.cli.__doc__ or "").splitlines() if line.startswith("dapo-mesh ")
               for w in line.split("#")[0].split()[1:] if w.isidentifier() or "-" in w}  # fmt: skip
     assert commands == listed - {"RUN_DIR", "--check"}, commands ^ listed
+
+
+def test_up_reads_the_data_before_it_starts_anything(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.jsonl"  # rows in the verl schema, without a verifier (none named for the file either)
+    rows.write_text(
+        "\n".join(f'{{"prompt": "{i} + 1?", "reward_model": {{"ground_truth": "{i + 1}"}}}}' for i in range(8))
+    )
+    r = CliRunner().invoke(app, ["up", "--tiny", "--run-dir", str(tmp_path / "run"), "--set",
+                                 f"mesh.dataset=reasoning_gym:basic_arithmetic; file:{rows}"])  # fmt: skip
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "row 0: no verifier" in out, out
+    assert not (tmp_path / "run" / "redis").exists() and not RunLayout(tmp_path / "run").logs.exists()  # nothing ran
