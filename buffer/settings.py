@@ -46,10 +46,10 @@ class BufferSettings(ServiceSettings, RedisSettings):
         "sampling drops is skipped with that probability (docs: services/curriculum.md).",
     )
     curriculum_explore: float = Field(
-        0.02, ge=0, le=1, description="curriculum: the least chance of dispatching a prompt predicted to be filtered."
+        0.1, ge=0, le=1, description="curriculum: the least chance of dispatching a prompt predicted to be filtered."
     )
     curriculum_streak_decay: float = Field(
-        0.5,
+        1.0,
         ge=0,
         le=1,
         description="curriculum: the chance is multiplied by this per group in a row that was filtered.",

@@ -88,7 +88,7 @@ def test_the_buffer_skips_solved_prompts_with_the_stated_probability(client: red
     """Half the prompts always all right (solved), half mixed: after the first pass the solved ones are dispatched
     at the chance their state gives, the mixed ones always; and every solved prompt comes back at some point."""
     s = settings(dispatch_policy="curriculum", max_epochs=40, batch_size=8, max_staleness=3, curriculum_explore=0.02,
-                 n_samples=8)  # fmt: skip
+                 curriculum_streak_decay=0.5, n_samples=8)  # fmt: skip
     buffer = Buffer(s, client, SMALL, BufferMetrics(CollectorRegistry()))
     solved = {buffer.source.train[i].prompt_id for i in range(0, 40, 2)}
     rollout = Rollout(client, lambda t, i: [True] * 8 if t.prompt_id in solved else [True, False] * 4)
