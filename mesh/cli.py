@@ -443,6 +443,7 @@ def up(
         raise typer.Exit(2) from None
     mesh = Mesh(cfg, say=console.print, console=console if console.is_terminal else None)
     code = 1
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the services as Ctrl-C does (it left them running)
     try:
         mesh.start()
         code = mesh.run()
@@ -458,6 +459,10 @@ def up(
     finally:
         mesh.stop()
     raise typer.Exit(code)
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def mesh_config(run_dir: Path, config: Path | None, tiny: bool, given: dict[str, Any], sets: list[str]) -> MeshConfig:
