@@ -9,7 +9,8 @@ Redis    dapo:sync:generation        INCR counter: generations stay monotonic ac
          dapo:sync:group             SyncGroup{generation, host, port, candidates, timeout_s}
          dapo:weights                WeightVersion of the last round (version, checksum, replicas)
 TCPStore (the learner's), keys under g<generation>/:
-         manifest                    msgpack {params: [[name, dtype, shape]...], buckets: [[dtype, [i...]]...]}
+         manifest                    msgpack {params: [[name, dtype, shape]...], buckets: [[dtype, [i...]]...],
+                                     adapter: {base, rank, alpha, targets} when the params are a LoRA adapter}
          join/<replica>              a candidate has arrived
          roster                      msgpack [replica ids]: rank = index + 1 (the learner is rank 0);
                                      [] when the generation did not form
@@ -52,6 +53,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from services.adapters import AdapterInfo, check_adapter
 from services.streams import KEY_SYNC_GENERATION, KEY_SYNC_GROUP, KEY_WEIGHTS
 
 __all__ = ["KEY_SYNC_GENERATION", "KEY_SYNC_GROUP", "KEY_WEIGHTS"]  # defined with the other Redis keys
@@ -106,12 +108,32 @@ def model_specs(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return specs
 
 
-def check_manifest(manifest: Manifest, expected: dict[str, tuple[int, ...]]) -> None:
+def check_manifest(
+    manifest: Manifest, expected: dict[str, tuple[int, ...]], *, base: str | None = None, max_rank: int | None = None
+) -> None:
     """The manifest describes this model's parameters: the same names and shapes, float dtypes, and so no more
-    bytes than the model in fp32 (padding aside). Raises BadRound naming the first difference."""
+    bytes than the model in fp32 (padding aside). A replica serving LoRA adapters (`max_rank`, its base model's
+    fingerprint `base`): an adapter of this base model, of a rank it serves (services/adapters.py). Raises BadRound
+    naming the first difference."""
     names = [n for n, _, _ in manifest.params]
     if len(set(names)) != len(names):
         raise BadRound("the manifest names a parameter twice")
+    if (manifest.adapter is None) != (max_rank is None):
+        raise BadRound(
+            "the learner sends a LoRA adapter and this replica serves full weights: start it with --lora-max-rank"
+            if max_rank is None
+            else "the learner sends full weights and this replica serves LoRA adapters: start the learner with "
+            "--lora-rank, or the replica without --lora-max-rank"
+        )
+    if manifest.adapter is not None:
+        assert max_rank is not None and base is not None
+        try:
+            check_adapter(manifest.adapter, [(n, s) for n, _, s in manifest.params], expected, base, max_rank)
+        except ValueError as e:
+            raise BadRound(str(e)) from e
+        if bad := [n for n, dt, _ in manifest.params if dt not in FLOAT_DTYPES]:
+            raise BadRound(f"{bad[0]}: not a float dtype")
+        return
     if missing := sorted(set(expected) - set(names) - {"lm_head.weight"}):  # a tied head is not sent
         raise BadRound(f"the manifest lacks parameters of this model: {missing[:5]}")
     for name, dt, shape in manifest.params:
@@ -139,9 +161,15 @@ class Manifest:
 
     params: list[tuple[str, str, tuple[int, ...]]]  # name, dtype ("float32"), shape
     buckets: list[tuple[str, list[int]]]  # dtype, indices into params
+    adapter: AdapterInfo | None = None  # LoRA: the params are an adapter of this base model (services/adapters.py)
 
     @classmethod
-    def plan(cls, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]], bucket_bytes: int) -> Manifest:
+    def plan(
+        cls,
+        specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        bucket_bytes: int,
+        adapter: AdapterInfo | None = None,
+    ) -> Manifest:
         params = [
             (name, str(dtype).removeprefix("torch."), tuple(int(x) for x in shape)) for name, dtype, shape in specs
         ]
@@ -155,7 +183,7 @@ class Manifest:
                 idx, used = [], 0
             open_[dt] = (idx + [i], used + size)
         buckets += [(dt, idx) for dt, (idx, _) in open_.items() if idx]
-        return cls(params, buckets)
+        return cls(params, buckets, adapter)
 
     def bucket_numel(self, b: int) -> int:
         """Elements in bucket b, padded so that its bytes are a multiple of 8 (the checksum reads int64)."""
@@ -169,7 +197,10 @@ class Manifest:
         return sum(self.bucket_numel(b) * dtype_of(dt).itemsize for b, (dt, _) in enumerate(self.buckets))
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb({"params": [[n, d, list(s)] for n, d, s in self.params], "buckets": self.buckets})
+        out: dict[str, Any] = {"params": [[n, d, list(s)] for n, d, s in self.params], "buckets": self.buckets}
+        if self.adapter is not None:
+            out["adapter"] = self.adapter.to_dict()
+        return msgpack.packb(out)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
@@ -180,7 +211,8 @@ class Manifest:
         buckets = [(str(d), [int(i) for i in idx]) for d, idx in raw["buckets"]]
         if sorted(i for _, idx in buckets for i in idx) != list(range(len(params))):
             raise ValueError("weight manifest: buckets do not cover every parameter exactly once")
-        return cls(params, buckets)
+        adapter = raw.get("adapter")
+        return cls(params, buckets, None if adapter is None else AdapterInfo.from_dict(adapter))
 
 
 def _numel(shape: Sequence[int]) -> int:
