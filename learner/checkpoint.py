@@ -11,7 +11,7 @@ restarted learner reclaims exactly the batches the checkpoint lacks and trains t
 
 Files under run_dir: checkpoints/<tag>/ (DeepSpeed; `latest` names the newest complete one),
 state.json (the newest state, for people and audits), hf/v<version>/ (safetensors that transformers
-and vLLM load) with hf/latest naming the newest export.
+and vLLM load; with LoRA, PEFT's adapter folder) with hf/latest naming the newest export.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from learner.parallel import barrier
-from services import snapshots
+from services import adapters, snapshots
+from services.adapters import AdapterInfo
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,11 @@ class LearnerState:
 def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2) -> str:
     ckpt_dir = run_dir / "checkpoints"
     tag = f"v{state.version:06d}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"dapo": asdict(state)})
+    # LoRA: the adapter and its optimizer state only (the frozen base is the model folder, unchanged)
+    frozen = any(not p.requires_grad for p in engine.module.parameters())
+    engine.save_checkpoint(
+        str(ckpt_dir), tag=tag, client_state={"dapo": asdict(state)}, exclude_frozen_parameters=frozen
+    )
     barrier()  # N ranks: every rank's shard is written before rank 0 names the checkpoint (and acknowledges)
     if engine.global_rank != 0:
         return tag
@@ -77,7 +82,8 @@ def load(engine: Any, run_dir: Path) -> LearnerState | None:
     ckpt_dir = run_dir / "checkpoints"
     if not (ckpt_dir / "latest").exists():
         return None
-    path, client_state = engine.load_checkpoint(str(ckpt_dir))
+    frozen = any(not p.requires_grad for p in engine.module.parameters())  # LoRA: saved without the base
+    path, client_state = engine.load_checkpoint(str(ckpt_dir), load_module_strict=not frozen)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint named in {ckpt_dir / 'latest'}")
     state = LearnerState(**client_state["dapo"])
@@ -85,9 +91,18 @@ def load(engine: Any, run_dir: Path) -> LearnerState | None:
     return state
 
 
-def export_hf(engine: Any, hf_dir: Path, version: int, *, tokenizer: Any = None, keep: int = 2) -> Path:
+def export_hf(
+    engine: Any,
+    hf_dir: Path,
+    version: int,
+    *,
+    tokenizer: Any = None,
+    keep: int = 2,
+    adapter: AdapterInfo | None = None,
+) -> Path:
     """The current weights as an HF safetensors folder (gathered first under ZeRO-3: every rank calls this; rank 0
-    writes)."""
+    writes). LoRA (`adapter`): PEFT's adapter folder (peft's save_pretrained of the PeftModel) and its description
+    (services/adapters.py), which `dapo-mesh merge` merges into the base."""
     import deepspeed
 
     out = snapshots.snapshot_dir(hf_dir, version)
@@ -100,6 +115,8 @@ def export_hf(engine: Any, hf_dir: Path, version: int, *, tokenizer: Any = None,
         hf_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         module.save_pretrained(tmp, safe_serialization=True)
+        if adapter is not None:
+            adapters.write_info(tmp, adapter)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)

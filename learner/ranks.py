@@ -59,7 +59,8 @@ class Leader:
 
     def export(self, hf_dir: Path, version: int, keep: int) -> Path:
         self.tell("export", version=version)
-        return checkpoint.export_hf(self.trainer.engine, hf_dir, version, tokenizer=self.trainer.tokenizer, keep=keep)
+        t = self.trainer
+        return checkpoint.export_hf(t.engine, hf_dir, version, tokenizer=t.tokenizer, keep=keep, adapter=t.adapter)
 
     def save(self, run_dir: Path, state: LearnerState, keep: int) -> str:
         self.tell("save", state=asdict(state), keep=keep)
@@ -98,7 +99,7 @@ def follow(trainer: Trainer, run_dir: Path, version: int) -> int:
             trainer.train(unpack(cmd["batch"], TrainBatch), version=cmd["version"])
             trained += 1
         elif op == "export":
-            checkpoint.export_hf(trainer.engine, run_dir / "hf", cmd["version"])
+            checkpoint.export_hf(trainer.engine, run_dir / "hf", cmd["version"], adapter=trainer.adapter)
         elif op == "save":
             checkpoint.save(trainer.engine, run_dir, LearnerState(**cmd["state"]), keep=cmd["keep"])
         elif op == "gather":

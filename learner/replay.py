@@ -84,7 +84,9 @@ def _train(
         was = logged.get(version + 1, {}).get("loss")
         run = "" if was is None else f" (in the run: {was:.6f})"
         say(f"version {version} -> {version + 1}: loss {m.get('loss', 0.0):.6f}{run}, {m['seconds']:.1f} s")
-    return checkpoint.export_hf(trainer.engine, out / "hf", found[-1][0] + 1, tokenizer=trainer.tokenizer)
+    return checkpoint.export_hf(
+        trainer.engine, out / "hf", found[-1][0] + 1, tokenizer=trainer.tokenizer, adapter=trainer.adapter
+    )
 
 
 def _quiet(_: str) -> None:

@@ -57,6 +57,24 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     cpu_cores: str | None = Field(
         None, description="Pin the process to these CPU cores, e.g. '0' or '0-1' (beside a replica: its own core)."
     )
+    lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="Train a LoRA adapter of this rank (peft) instead of every weight: only the adapter trains, holds "
+        "optimizer state, is checkpointed and is sent to the replicas (unset: full fine-tuning).",
+    )
+    lora_alpha: float | None = Field(
+        None, gt=0, description="LoRA alpha: the update is (alpha / rank) B A (unset: 2 x rank)."
+    )
+    lora_dropout: float = Field(
+        0.0, ge=0, lt=1, description="LoRA dropout on the adapter's input (training passes only)."
+    )
+    lora_targets: str = Field(
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        pattern=r"^[A-Za-z0-9_.]+(,[A-Za-z0-9_.]+)*$",
+        description="Modules that get an adapter, comma-separated names (peft's target_modules; the default: a "
+        "Llama's seven projections, what vLLM serves adapters on).",
+    )
     clip_low: float = Field(0.2, gt=0, lt=1, description="epsilon_low of clip-higher.")
     clip_high: float = Field(0.28, gt=0, description="epsilon_high of clip-higher (= clip_low: no clip-higher).")
     clip_c: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages.")
@@ -140,6 +158,10 @@ class LearnerSettings(ServiceSettings, RedisSettings):
         description="N ranks: the longest a rank waits in a collective (the other ranks wait in one while rank 0 "
         "exports, syncs the replicas and checkpoints); a dead rank fails the others after it at most.",
     )
+
+    @property
+    def lora_target_list(self) -> list[str]:
+        return self.lora_targets.split(",")
 
     @model_validator(mode="after")
     def _reweight_needs_a_correction(self) -> Self:

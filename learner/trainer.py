@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from learner import lora
 from learner.advantages import group_advantages
 from learner.batching import BatchTensors, minibatches, to_tensors, token_microbatches
 from learner.logprobs import chunked_logprobs, logits_transform
@@ -66,6 +67,10 @@ class Trainer:
             model = AutoModelForCausalLM.from_pretrained(
                 settings.model_dir, dtype=torch.float32, attn_implementation=settings.attention
             )
+        self.adapter = None  # LoRA: what the adapter is (rank, alpha, targets, the base model's fingerprint)
+        if settings.lora_rank is not None:  # the adapter alone trains (learner/lora.py)
+            model = lora.wrap(model, settings)
+            self.adapter = lora.adapter_info(settings)
         config = getattr(model, "config", None)
         pad = getattr(config, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else getattr(config, "eos_token_id", None) or 0)
@@ -134,6 +139,19 @@ class Trainer:
         entropy before this batch's updates)."""
         out = torch.zeros_like(t.behaviour_logp)
         ent = torch.zeros(2, dtype=torch.float64)  # entropy sum, token count
+        module = self.engine.module
+        training = module.training
+        if self.s.lora_rank is not None and self.s.lora_dropout > 0:
+            module.train(False)  # no LoRA dropout in pi_prox: the replicas sample without it
+        try:
+            self._logprobs_all(t, mask, out, ent)
+        finally:
+            module.train(training)
+        all_sum(out)
+        all_sum(ent)
+        return out, float(ent[0] / max(float(ent[1]), 1.0))
+
+    def _logprobs_all(self, t: BatchTensors, mask: torch.Tensor | None, out: torch.Tensor, ent: torch.Tensor) -> None:
         wanted = t.response_mask if mask is None else mask
         rows = torch.arange(len(t))
         for idx in self.units(rows, t):  # this rank's micro-batches; the others' are summed in
@@ -149,9 +167,6 @@ class Trainer:
             if e is not None:  # asked for only with a mask: `only` is that mask's part
                 m = only.to(self.device)
                 ent += torch.tensor([float((e * m).sum()), float(m.sum())], dtype=torch.float64)
-        all_sum(out)
-        all_sum(ent)
-        return out, float(ent[0] / max(float(ent[1]), 1.0))
 
     def _logprobs(
         self, part: BatchTensors, only: torch.Tensor, with_entropy: bool = False

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from learner import lora
 from services.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
 from services.streams import REPLICA_KEY_PREFIX, pack, unpack
 from services.weight_wire import (
@@ -120,9 +121,17 @@ class WeightSender:
         self.gather = gather or zero3_gather  # ZeRO-3 on N ranks: learner/ranks.py's, which the other ranks join
         self.m = SyncMetrics(registry)
         self.timeout_s: float = s.sync_timeout_s
-        self.params = [(n, p) for n, p in module.named_parameters()]
+        adapter = None
+        if lora.is_peft(module):  # LoRA: the adapter's tensors alone, by the names PEFT saves them under
+            wired = list(lora.adapter_params(module))
+            self.params = [(n, p) for n, _, p in wired]
+            self.positions = [i for _, i, _ in wired]  # in module.parameters(): what the ZeRO-3 gather is told
+            adapter = lora.adapter_info(s)
+        else:
+            self.params = [(n, p) for n, p in module.named_parameters()]
+            self.positions = list(range(len(self.params)))
         specs = [(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.params]
-        self.manifest = Manifest.plan(specs, int(s.sync_bucket_mb * 2**20))
+        self.manifest = Manifest.plan(specs, int(s.sync_bucket_mb * 2**20), adapter=adapter)
         self.device = next(module.parameters()).device
         self.send_buffers: dict[str, torch.Tensor] = {}  # one reusable buffer per dtype, as big as its largest bucket
         for b, (dt, _) in enumerate(self.manifest.buckets):
@@ -358,7 +367,7 @@ class WeightSender:
         dt, idx = self.manifest.buckets[b]
         buf = self.send_buffers[dt][: self.manifest.bucket_numel(b)]
         params = [self.params[i][1] for i in idx]
-        gather = self.gather(idx, params) if self.zero3 else contextlib.nullcontext()
+        gather = self.gather([self.positions[i] for i in idx], params) if self.zero3 else contextlib.nullcontext()
         with torch.no_grad(), gather:
             off = 0
             for p in params:

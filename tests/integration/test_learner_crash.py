@@ -53,16 +53,21 @@ def state(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(
+    tiny_model: Path, tmp_path: Path, lora: bool
+) -> None:
+    """LoRA (issue 31): the checkpoint holds the adapter and its optimizer state only; the resume is the same."""
     model = tiny_model
     run_dir = tmp_path / "run"
+    extra = ("--lora-rank", "4") if lora else ()
     with EmbeddedRedis(tmp_path / "redis") as server:
         client = connect(server.url)
         producer = StreamProducer(client, STREAM_BATCHES)
         producer.publish_many(tiny_batch(i) for i in range(5))
 
         port = free_port()
-        first = start_learner(model, run_dir, server.url, port)
+        first = start_learner(model, run_dir, server.url, port, *extra)
         try:
             wait_for(lambda: int(client.get(KEY_POLICY_VERSION) or 0) == 5, what="five batches trained")
             wait_for(lambda: state(run_dir).get("version") == 3, what="the checkpoint after batch 2")
@@ -75,7 +80,7 @@ def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tiny_model
         assert client.xpending(STREAM_BATCHES, "learner")["pending"] == 2  # 3 and 4: trained, never checkpointed
 
         producer.publish(tiny_batch(5))
-        second = start_learner(model, run_dir, server.url, free_port(), "--max-batches", "6")  # in the weights
+        second = start_learner(model, run_dir, server.url, free_port(), "--max-batches", "6", *extra)
         assert second.wait(300) == 0
         second_pid = second.pid
 
@@ -90,8 +95,16 @@ def test_sigkill_after_checkpoint_then_restart_trains_each_batch_once(tiny_model
 
     from transformers import AutoModelForCausalLM
 
-    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "v000006")  # loadable by transformers
-    assert exported.config.vocab_size == 256
+    exported = run_dir / "hf" / "v000006"
+    if lora:  # the adapter, and a checkpoint without the frozen base
+        from services.adapters import read_adapter
+
+        assert read_adapter(exported)[0].rank == 4
+        base_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        ckpt = max((run_dir / "checkpoints").iterdir(), key=lambda p: p.name)
+        assert sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) < base_bytes
+        return
+    assert AutoModelForCausalLM.from_pretrained(exported).config.vocab_size == 256  # loadable by transformers
 
 
 @pytest.mark.slow

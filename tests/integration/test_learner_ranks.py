@@ -49,6 +49,19 @@ def recorded_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model, root / "run"
 
 
+@pytest.fixture(scope="module")
+def recorded_lora_run(recorded_run: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same batches, recorded as a LoRA learner's (rank 4): a replay trains an adapter."""
+    model, run = recorded_run
+    lora = tmp_path_factory.mktemp("ranks-lora") / "run"
+    shutil.copytree(run, lora)
+    s = LearnerSettings(model_dir=model, run_dir=lora, minibatches=2, micro_batch_size=1, micro_batch_tokens=0,
+                        lr=1e-2, warmup_batches=0, dtype="fp32", seed=3, off_policy="token-tis",
+                        lora_rank=4)  # fmt: skip
+    record_settings(lora, s)
+    return lora
+
+
 def replay(model: Path, run: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "mesh", "replay", "--batches", str(run), "--model-dir", str(model),
            "--out", str(out), *extra]  # fmt: skip
@@ -76,6 +89,22 @@ def test_two_ranks_take_the_step_of_one(recorded_run: tuple[Path, Path], tmp_pat
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
     assert max(float((a[k] - base[k]).abs().max()) for k in base) > 1e-3  # the updates moved the weights
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_adapter_one_rank_trains(recorded_run: tuple[Path, Path], recorded_lora_run: Path,
+                                                     tmp_path: Path) -> None:  # fmt: skip
+    """LoRA (issue 31) at ZeRO-2: parity as for full weights, on the adapter's tensors (all the replay exports)."""
+    model, _ = recorded_run
+    one = replay(model, recorded_lora_run, tmp_path / "one", "--zero-stage", "2")
+    two = replay(model, recorded_lora_run, tmp_path / "two", "--zero-stage", "2", "--nproc", "2")
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert two.returncode == 0, two.stdout + two.stderr
+    a = load_file(tmp_path / "one" / "hf" / "v000003" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "two" / "hf" / "v000003" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(".lora_" in k for k in a)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert max(float(a[k].abs().max()) for k in a if ".lora_B." in k) > 1e-3  # B started at 0: the updates moved it
 
 
 def test_more_ranks_than_samples_per_minibatch_is_a_clear_error(recorded_run: tuple[Path, Path],
