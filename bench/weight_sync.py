@@ -28,8 +28,9 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)  # fmt: skip
 
 
-def receiver(name: str, url: str) -> None:
-    """A replica's sync side only: heartbeat + WeightReceiver, loading into nothing."""
+def receiver(name: str, url: str, **settings: object) -> None:
+    """A replica's sync side only: heartbeat + WeightReceiver, loading into nothing (`settings`: the replica's, e.g.
+    model_dir and lora_max_rank for an adapter: bench/lora.py)."""
     from prometheus_client import CollectorRegistry
 
     from rollout.metrics import RolloutMetrics
@@ -38,14 +39,14 @@ def receiver(name: str, url: str) -> None:
     from services.schemas import ReplicaHeartbeat
     from services.streams import REPLICA_KEY_PREFIX, connect, pack
 
-    s = RolloutSettings(replica_id=name, redis_url=url, sync_device="cpu")
+    s = RolloutSettings(replica_id=name, redis_url=url, sync_device="cpu", **settings)  # type: ignore[arg-type]
     client = connect(url)
     r = WeightReceiver(s, client, RolloutMetrics(CollectorRegistry()))
     stop = threading.Event()
     threading.Thread(target=r.run, args=(stop,), daemon=True).start()
     version = 0
     while True:
-        got = r.take(lambda named, v: None)
+        got = r.take(lambda named, v, adapter=None: None)
         version = got.version if got else version
         hb = ReplicaHeartbeat(replica_id=name, host="127.0.0.1", port=1, weight_version=version, state="ready",
                               sync_broadcast=True, incarnation=r.incarnation)  # fmt: skip

@@ -36,7 +36,12 @@ def engine_placement(s: RolloutSettings) -> dict[str, Any]:
     if s.engine == "hf":
         place(s.cpu_cores, None, log)
         return {}
-    return {"kv_cache_gib": s.vllm_kv_cache_gib, "eager": s.vllm_eager, "cpu_cores": s.cpu_cores}
+    return {
+        "kv_cache_gib": s.vllm_kv_cache_gib,
+        "eager": s.vllm_eager,
+        "cpu_cores": s.cpu_cores,
+        "lora_max_rank": s.lora_max_rank,
+    }
 
 
 def build(
@@ -49,6 +54,8 @@ def build(
     """The engine, the replica's parts and its loop. vLLM: continuous batching (in-flight weight updates); HF, or
     vLLM with --no-stream: engine calls of `prompts_per_call` prompts, weights between calls."""
     dtype = resolve_dtype(s.dtype, log)
+    if s.lora_max_rank and s.engine != "vllm":
+        raise ValueError("--lora-max-rank: adapters are served by the vllm engine (vLLM's LoRA), not the hf engine")
     if s.engine == "vllm" and s.stream:
         engine = load_engine(
             s.model_dir,

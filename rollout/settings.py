@@ -90,4 +90,10 @@ class RolloutSettings(ServiceSettings, RedisSettings):
         None, description="Cores of the engine's threads, e.g. '1' or '0-1' (vLLM: VLLM_CPU_OMP_THREADS_BIND)."
     )
     vllm_kv_cache_gib: int = Field(2, ge=1, description="vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    lora_max_rank: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM: serve the learner's LoRA adapter (its --lora-rank at most this) on the base model "
+        "--model-dir, replaced in place at each version; unset: full weights.",
+    )
     vllm_eager: bool = Field(True, description="vLLM: no graph compilation (start in ~16 s instead of ~80 s).")

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from rollout.metrics import RolloutMetrics
 from rollout.settings import RolloutSettings
+from services.adapters import fingerprint
 from services.schemas import SyncGroup
 from services.streams import unpack
 from services.weight_wire import (
@@ -53,7 +54,7 @@ from services.weight_wire import (
 
 log = logging.getLogger(__name__)
 ROSTER_WAIT = 3  # x the announced timeout: a joined replica's wait for the roster (the learner's join window is 1x)
-Loader = Callable[[Iterator[tuple[str, torch.Tensor]], int], None]
+Loader = Callable[..., None]  # (named tensors, version, *, adapter: AdapterInfo | None): Engine.load_tensors
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class WeightReceiver:
         self.state = "idle"
         self.key = sync_key(s)
         self.expected: dict[str, tuple[int, ...]] | None = None  # this model's parameter shapes (read once)
+        self.base: str | None = None  # LoRA: this base model's fingerprint (services/adapters.py)
 
     # ------------------------------------------------------------------ the loop's side
 
@@ -87,7 +89,7 @@ class WeightReceiver:
             got = self.ready
             if got is None or self.buckets is None:
                 return None
-            load(self.buckets.named(), got.version)
+            load(self.buckets.named(), got.version, adapter=self.buckets.manifest.adapter)
             self.ready = None
             return got
         finally:
@@ -185,7 +187,8 @@ class WeightReceiver:
             manifest = Manifest.from_bytes(raw)
             if self.expected is None:
                 self.expected = model_specs(self.s.model_dir)
-            check_manifest(manifest, self.expected)
+                self.base = fingerprint(self.s.model_dir) if self.s.lora_max_rank else None
+            check_manifest(manifest, self.expected, base=self.base, max_rank=self.s.lora_max_rank)
         except (BadRound, ValueError, KeyError, TypeError) as e:
             self.m.sync_rejected.inc()
             raise BadRound(f"refused generation {generation}'s manifest: {e}") from e

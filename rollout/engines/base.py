@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from services.adapters import AdapterInfo
 from services.dtype import Dtype
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -71,7 +72,11 @@ class Engine(Protocol):
 
     def load_weights(self, hf_dir: Path, version: int) -> None: ...
 
-    def load_tensors(self, named: Iterator[tuple[str, Any]], version: int) -> None: ...
+    def load_tensors(
+        self, named: Iterator[tuple[str, Any]], version: int, *, adapter: AdapterInfo | None = None
+    ) -> None:
+        """A broadcast round; `adapter`: its tensors are a LoRA adapter of this base (the round's manifest says)."""
+        ...
 
 
 class ContinuousBatching(Engine, Protocol):

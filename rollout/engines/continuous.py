@@ -42,6 +42,7 @@ from typing import Any
 
 from rollout.engines.base import UPDATE_MODES, Completion, Engine, RequestRefused, SamplingParams, UpdateMode, counts
 from rollout.engines.vllm_chunked import VllmEngine, finish_reason, sampled_logprobs
+from services.adapters import AdapterInfo
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class ContinuousEngine:
         added: list[str] = []
         try:  # vLLM refuses a prompt itself (longer than the model's context): nothing stays behind
             for j in range(n):
-                self.core.add_request(f"{key}#{j}", request, sampling)
+                self.core.add_request(f"{key}#{j}", request, sampling, lora_request=self.vllm.adapter_request)
                 added.append(f"{key}#{j}")
         except (ValueError, VLLMClientError) as e:
             if added:
@@ -177,8 +178,11 @@ class ContinuousEngine:
         """In `drain` mode a load waits until nothing is in flight."""
         return self.update == "drain" and bool(self.seqs)
 
-    def load_tensors(self, named: Iterator[tuple[str, Any]], version: int) -> None:
-        self._load(lambda: self.vllm.load_tensors(named, version, keep_running=self.update == "keep"))
+    def load_tensors(
+        self, named: Iterator[tuple[str, Any]], version: int, *, adapter: AdapterInfo | None = None
+    ) -> None:
+        keep = self.update == "keep"
+        self._load(lambda: self.vllm.load_tensors(named, version, keep_running=keep, adapter=adapter))
 
     def load_weights(self, hf_dir: Path, version: int) -> None:
         self._load(lambda: self.vllm.load_weights(hf_dir, version, keep_running=self.update == "keep"))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.engines.base import Completion, FinishReason, SamplingParams, counts
+from services.adapters import AdapterInfo
 from services.dtype import Dtype, torch_dtype
 
 
@@ -82,7 +83,16 @@ class HFEngine:
             state.update(load_file(f))
         self.load_tensors(iter(state.items()), version, source=str(hf_dir))
 
-    def load_tensors(self, named: Iterator[tuple[str, Any]], version: int, *, source: str = "the broadcast") -> None:
+    def load_tensors(
+        self,
+        named: Iterator[tuple[str, Any]],
+        version: int,
+        *,
+        source: str = "the broadcast",
+        adapter: AdapterInfo | None = None,
+    ) -> None:
+        if adapter is not None:
+            raise ValueError("the HF engine serves full weights, not LoRA adapters: use the vllm engine")
         state = dict(named)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.engines.base import Completion, FinishReason, SamplingParams, counts
+from rollout.engines.lora import AdapterSlot
+from services.adapters import AdapterInfo
 from services.dtype import Dtype
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class VllmEngine:
         max_model_len: int | None = None,
         dtype: Dtype = "fp32",
         cpu_cores: str | None = None,
+        lora_max_rank: int | None = None,
     ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         # the engine in this process: weight reloads call into the model directly, nothing is pickled
@@ -54,6 +57,9 @@ class VllmEngine:
         from vllm import LLM
 
         kwargs: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
+        if lora_max_rank:  # one adapter, the learner's, replaced in place at each version (rollout/engines/lora.py)
+            kwargs |= {"enable_lora": True, "max_lora_rank": lora_max_rank, "max_loras": 1, "max_cpu_loras": 1}
+        self.model_dir = Path(model_dir)
         # processed: the log-probs of the distribution sampled from (after the temperature), as the learner
         # recomputes them with the temperature each Sample carries; greedy requests get the model's own
         self.llm = LLM(
@@ -72,6 +78,7 @@ class VllmEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
+        self.lora = AdapterSlot(self.llm, self.model_dir, lora_max_rank) if lora_max_rank else None
 
     def generate(self, prompts: list[list[int]], n: int | list[int], params: SamplingParams) -> list[list[Completion]]:
         import torch
@@ -86,34 +93,59 @@ class VllmEngine:
         sampling = VSP(
             n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, logprobs=0
         )
+        adapter = self.adapter_request
         if params.seed is None:
-            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=adapter)
         else:
             with torch.random.fork_rng():  # the replica's own random state resumes afterwards
                 torch.manual_seed(params.seed)
-                outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+                outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=adapter)
         result: list[list[Completion]] = [[] for _ in prompts]
         for owner, out in zip(owners, outputs, strict=True):
             c = out.outputs[0]
             result[owner].append(Completion(list(c.token_ids), c.text, sampled_logprobs(c), finish_reason(c)))
         return result
 
+    @property
+    def adapter_request(self) -> Any:
+        """The LoRARequest every new request carries (None: full weights, or no adapter loaded yet)."""
+        return None if self.lora is None else self.lora.request
+
     def load_weights(self, hf_dir: Path, version: int, *, keep_running: bool = False) -> None:
-        """In-place reload from an HF safetensors folder (~0.3 s for 135M), between engine calls or steps."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
+        """In-place reload from an HF safetensors folder (~0.3 s for 135M), between engine calls or steps. With
+        LoRA: the learner's adapter folder, checked against this base model first."""
+        if self.lora is not None:
+            self.lora.load_folder(hf_dir)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
+            self.llm.collective_rpc(_retie_lm_head)
         self._reloaded(version, keep_running)
 
-    def load_tensors(self, named: Iterator[tuple[str, Any]], version: int, *, keep_running: bool = False) -> None:
+    def load_tensors(
+        self,
+        named: Iterator[tuple[str, Any]],
+        version: int,
+        *,
+        keep_running: bool = False,
+        adapter: AdapterInfo | None = None,
+    ) -> None:
         """In-place reload from (name, tensor) pairs in HF naming (the broadcast's buckets), between engine calls
         or steps. The engine runs in this process, so the iterator is handed over as is: nothing is copied or
-        pickled."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        pickled. With LoRA: the adapter's tensors (PEFT's names) and what it is (`adapter`, from the manifest)."""
+        if self.lora is not None:
+            if adapter is None:
+                raise ValueError("this engine serves LoRA adapters: full weights cannot be loaded into it")
+            self.lora.load(adapter, named)
+        elif adapter is not None:
+            raise ValueError("an adapter was sent to an engine without LoRA (start the replica with --lora-max-rank)")
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+            self.llm.collective_rpc(_retie_lm_head)
         self._reloaded(version, keep_running)
 
     def _reloaded(self, version: int, keep_running: bool) -> None:
         """Requests in flight (continuous batching, rollout/engines/continuous.py) keep their K/V with `keep_running`;
         otherwise they are preempted, and re-encoded with the new weights before their next token."""
-        self.llm.collective_rpc(_retie_lm_head)
         # The prefix cache holds K/V computed with the OLD weights, and vLLM's reload keeps it: a prompt sharing a
         # cached prefix (a system prompt, DAPO's long instruction) would be continued from stale K/V, and its
         # behaviour log-probs would be off by up to ~0.7 (measured, tests/integration/test_rollout_engines.py).

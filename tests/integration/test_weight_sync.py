@@ -274,3 +274,43 @@ def test_a_replica_refuses_a_round_it_cannot_authenticate(tmp_path: Path, model_
             p.terminate()
         for p in procs.values():
             p.wait(60)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_an_adapter_broadcast_reaches_vllm_and_another_base_refuses_it(
+    tmp_path: Path, model_dir: Path, reward_url: str, server: EmbeddedRedis
+) -> None:
+    """LoRA (issue 31): the learner broadcasts its adapter alone; a replica serving the same base model takes each
+    version in place and samples with the learner's (peft's) log-probs; a replica whose base model has the same
+    shapes but other weights refuses the manifest (another base's adapter is another policy, silently)."""
+    from learner.tiny import tiny_llama
+
+    client = connect(server.url)
+    trainer, sender, _ = learner(model_dir, tmp_path / "run", server.url, stage=2, lora_rank=8, lr=5e-2)
+    assert sender.manifest.adapter is not None and all(".lora_" in n for n, _, _ in sender.manifest.params)
+    other = tiny_llama(tmp_path / "other", hidden=256, tokenizer=True, seed=7)
+    procs = {n: start_replica(m, server.url, reward_url, n, "vllm", "--lora-max-rank", "8")
+             for n, m in (("same", model_dir), ("other", other))}  # fmt: skip
+    try:
+        for n in procs:
+            wait_for(f"replica {n}", lambda n=n: (hb := heartbeat(client, n)) is not None and hb.state == "ready")
+        seen = [engine_follows_learner(client, trainer, 0, 0)]
+        for v in (1, 2):
+            trainer.train(tiny_batch(v))
+            wv = sender.publish(v, step=v, batch_id=v)
+            assert wv.replicas == ["same"]
+            wait_for(f"same serving v{v}", lambda v=v, c=wv.checksum: serving(client, "same", v, c), 30)
+            lp = engine_follows_learner(client, trainer, v, v)
+            assert lp != seen[-1]  # the adapter really changed in the engine
+            seen.append(lp)
+        refused = heartbeat(client, "other")
+        assert refused is not None and refused.weight_version == 0
+        metrics = httpx.get(f"http://127.0.0.1:{refused.port}/metrics", timeout=5).text
+        assert "dapo_rollout_sync_rejected_total 0.0" not in metrics
+    finally:
+        sender.close()
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(60)

@@ -1,0 +1,81 @@
+"""A vLLM engine's LoRA slot: the learner's adapter, served through vLLM's LoRA support and replaced in place at
+each version (vLLM's `LoRARequest(load_inplace=True)`: the same adapter id, new weights).
+
+    slot = AdapterSlot(llm, model_dir, max_rank=32)
+    slot.load(info, named_tensors)     # a broadcast round: AdapterInfo from its manifest, tensors in PEFT's names
+    slot.load_folder(snapshot)         # the filesystem transport: the learner's adapter folder
+    llm.generate(..., lora_request=slot.request)
+
+One adapter id for the whole run: every request carries it, so sequences in flight read the new adapter from their
+next token (what the engine's `keep` mode means; `recompute` re-encodes them, `drain` waits — rollout/engines/
+continuous.py, unchanged), and the policy version of each token is counted as for full weights. New requests carry a
+cache salt of their version and the prefix cache is reset after a load unless running sequences keep their K/V
+(rollout/engines/vllm_chunked.py): no K/V an older adapter computed is served to a request of a newer version.
+
+vLLM loads an adapter from a folder: the tensors go to a private folder in memory (/dev/shm where there is one), a
+few MB, then `add_lora(load_inplace=True)` reads them there. An adapter is checked against this base model first
+(services/adapters.py): another base's adapter, or a rank above --lora-max-rank, is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from services.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterInfo, check_adapter, fingerprint, read_adapter
+from services.weight_wire import model_specs
+
+ADAPTER_ID = 1  # vLLM's lora_int_id of the learner's adapter: one id, replaced in place
+
+
+def scratch_dir() -> Path:
+    shm = Path("/dev/shm")
+    where = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="dapo-adapter-", dir=where))
+
+
+class AdapterSlot:
+    def __init__(self, llm: Any, model_dir: Path, max_rank: int):
+        self.llm, self.max_rank = llm, max_rank
+        self.expected = model_specs(model_dir)
+        self.base = fingerprint(model_dir)
+        self.folder = scratch_dir()
+        weakref.finalize(self, shutil.rmtree, self.folder, True)
+        self.request: Any = None  # the LoRARequest requests carry, once an adapter is loaded
+        self.info: AdapterInfo | None = None
+
+    def load(self, info: AdapterInfo, named: Iterator[tuple[str, Any]]) -> None:
+        """Replace the adapter with these tensors (they may be views into the broadcast's buckets: copied)."""
+        tensors = {name: t.detach().clone() for name, t in named}
+        check_adapter(info, [(n, tuple(t.shape)) for n, t in tensors.items()], self.expected, self.base, self.max_rank)
+        self._write(info, tensors)
+
+    def load_folder(self, folder: Path) -> None:
+        info, tensors = read_adapter(folder)
+        check_adapter(info, [(n, tuple(t.shape)) for n, t in tensors.items()], self.expected, self.base, self.max_rank)
+        self._write(info, tensors)
+
+    def _write(self, info: AdapterInfo, tensors: dict[str, Any]) -> None:
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        config = {
+            "peft_type": "LORA",
+            "r": info.rank,
+            "lora_alpha": info.alpha,
+            "target_modules": list(info.targets),
+            "bias": "none",
+            "task_type": "CAUSAL_LM",
+        }
+        save_file(tensors, str(self.folder / ADAPTER_WEIGHTS))
+        (self.folder / ADAPTER_CONFIG).write_text(json.dumps(config))
+        path = str(self.folder)
+        self.llm.llm_engine.add_lora(LoRARequest("policy", ADAPTER_ID, path, load_inplace=True))
+        self.request = LoRARequest("policy", ADAPTER_ID, path)
+        self.info = info
