@@ -11,6 +11,7 @@ dapo-mesh curves          # a run's metrics.jsonl as curves.png (mesh/curves.py)
 dapo-mesh ablate          # presets over seeds and the held-out table (mesh/ablate.py)
 dapo-mesh replay          # retrain a recorded run's batches, to compare weights (learner/replay.py)
 dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
+dapo-mesh merge           # a LoRA snapshot + its base model -> an HF folder loadable without LoRA
 dapo-mesh redis           # run the embedded Redis in the foreground
 dapo-mesh reward | buffer | learner | rollout ...   # one service, same flags as `python -m <its package>`
 """
@@ -370,6 +371,25 @@ def prepare_model(
     from services.model_prep import prepare_model as prepare
 
     console.print(f"model ready in [bold]{prepare(out, source)}[/]")
+
+
+@app.command()
+def merge(
+    adapter: Annotated[Path, typer.Option(help="A LoRA snapshot the learner exported (RUN_DIR/learner/hf/v…).")],
+    out: Annotated[Path, typer.Option(help="Output folder: an HF model vLLM and transformers load without LoRA.")],
+    base: Annotated[Path | None, typer.Option(help="The base model it was trained on; default: SmolLM2.")] = None,
+) -> None:
+    """Merge a LoRA adapter into its base model (W + alpha/r BA): a plain HF folder, e.g. for `dapo-mesh eval`."""
+    from mesh.layout import RunLayout
+    from services.adapters import merge as run_merge
+    from services.model_prep import prepare_smollm2
+
+    base_dir = base or prepare_smollm2(RunLayout(RUN_DIR).smollm2)
+    try:
+        path = run_merge(base_dir, adapter, out)
+    except (FileNotFoundError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from None
+    console.print(f"merged model in [bold]{path}[/]")
 
 
 @app.command()

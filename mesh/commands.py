@@ -96,6 +96,7 @@ def service_values(cfg: MeshConfig, model_dir: Path, ports: Mapping[str, int]) -
             "hold_after_max": True,
             "ranks": cfg.learner_ranks,
             "max_response_tokens": cfg.max_response_tokens,  # Dr.GRPO's constant divisor
+            "lora_rank": cfg.lora_rank,
             "seed": cfg.seed,
             "cpu_cores": cores[0] if cores else None,
         },
@@ -114,6 +115,7 @@ def service_values(cfg: MeshConfig, model_dir: Path, ports: Mapping[str, int]) -
             "dtype": cfg.dtype,
             "seed": None if cfg.seed is None else cfg.seed + i,  # replicas must not repeat each other
             "cpu_cores": cores[1] if cores else None,
+            "lora_max_rank": cfg.lora_rank,
         }
         if cfg.eval_every and i == 0:  # rollout-0 evaluates the held-out split the buffer wrote
             out[name] |= {"eval_every": cfg.eval_every, "eval_data": run.eval_items}

@@ -116,8 +116,10 @@ _FROM_MESH: dict[Service, dict[str, str | None]] = {
         "hold_after_max": None,
         "ranks": "learner_ranks",
         "max_response_tokens": "max_response_tokens",
+        "lora_rank": "lora_rank",
     },
     "rollout": {
+        "lora_max_rank": "lora_rank",
         "engine": "engine",
         "max_response_tokens": "max_response_tokens",
         "dtype": "dtype",
@@ -205,6 +207,12 @@ class MeshConfig(BaseModel):
     learner_ranks: int = Field(
         1, ge=1, description="Data-parallel learner processes (torchrun, one machine): rank 0 serves, all train."
     )
+    lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="Train a LoRA adapter of this rank (the learner's --lora-rank; [learner] lora_alpha, lora_targets) "
+        "and serve it on the replicas (vLLM's LoRA, replaced in place each version); unset: full fine-tuning.",
+    )
     reward: RewardSection = Field(default_factory=RewardSection, description="The reward server's settings.")
     buffer: BufferSection = Field(default_factory=BufferSection, description="The buffer's settings.")
     learner: LearnerSection = Field(default_factory=LearnerSection, description="The learner's settings.")
@@ -254,6 +262,12 @@ class MeshConfig(BaseModel):
                 f"{self.batch_size} x n_samples {self.n_samples} / minibatches {self.minibatches}): every rank needs "
                 "samples of each mini-batch"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_is_served(self) -> Self:
+        if self.lora_rank is not None and self.engine != "vllm":
+            raise ValueError('lora_rank: the replicas serve adapters with vLLM\'s LoRA; set engine = "vllm"')
         return self
 
     def section(self, service: Service) -> dict[str, Any]:
