@@ -66,6 +66,7 @@ class Mesh:
         self.say(f"model: {model}")
         self.ports = allocate_ports(self.cfg)
         self.check_data(service_values(self.cfg, model, self.ports)["buffer"])
+        self.check_lora(model)
         self.started, self._cpu0 = time.monotonic(), time.process_time()  # the run's CPU, not the model's set-up
         self.url = self.cfg.redis_url or self.sup.start_redis()
         self.say(f"redis: {self.url}")
@@ -94,6 +95,19 @@ class Mesh:
         except (ValueError, OSError) as e:
             raise PresetError(f"dataset {self.cfg.dataset!r}: {e}") from None
         self.say(f"dataset: {source.name}, {len(source.train)} training prompts, {len(source.eval)} held out")
+
+    def check_lora(self, model: Path) -> None:
+        """LoRA: the replicas' vLLM serves adapters of this rank on this model and these targets, before anything
+        starts (the learner checks the targets against the model itself when it loads it)."""
+        if self.cfg.lora_rank is None:
+            return
+        from rollout.engines.lora import check_servable
+
+        try:
+            check_servable(model, self.cfg.lora_rank, self.cfg.learner.lora_target_list)
+        except ValueError as e:
+            raise PresetError(f"lora_rank {self.cfg.lora_rank}: {e}") from None
+        self.say(f"lora: rank {self.cfg.lora_rank} on {', '.join(self.cfg.learner.lora_target_list)}")
 
     def write_prometheus_targets(self) -> Path:
         """RUN_DIR/prometheus: the shipped local config and rules, and this mesh's services as targets."""

@@ -32,6 +32,33 @@ from services.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterInfo, chec
 from services.weight_wire import model_specs
 
 ADAPTER_ID = 1  # vLLM's lora_int_id of the learner's adapter: one id, replaced in place
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
+
+
+def served_rank(rank: int) -> int:
+    """vLLM's max_lora_rank for adapters up to `rank`: the smallest it accepts that holds them."""
+    if rank > VLLM_RANKS[-1]:
+        raise ValueError(f"LoRA rank {rank}: vLLM serves adapters up to rank {VLLM_RANKS[-1]}")
+    return min(r for r in VLLM_RANKS if r >= rank)
+
+
+def check_servable(model_dir: Path, rank: int, targets: list[str] | None = None) -> None:
+    """Before anything starts: vLLM serves LoRA adapters of this rank on this model's architecture, on these
+    target modules (names of the model's linear layers, checked against its safetensors). ValueError says why not."""
+    served_rank(rank)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    archs = config.get("architectures") or []
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    cls = ModelRegistry._try_load_model_cls(archs[0]) if archs else None  # noqa: SLF001 -- no public lookup by name
+    if cls is None:
+        raise ValueError(f"{model_dir}: vLLM has no model class for architectures {archs}")
+    if not supports_lora(cls):
+        raise ValueError(f"{model_dir}: vLLM serves no LoRA adapter on {archs[0]}: train it with full weights")
+    weights = {n.rsplit(".", 2)[-2] for n, shape in model_specs(model_dir).items() if len(shape) == 2}
+    if targets and (missing := sorted(set(t.rsplit(".", 1)[-1] for t in targets) - weights)):
+        raise ValueError(f"{model_dir}: no 2-d weight named {missing} to adapt; it has {sorted(weights)}")
 
 
 def scratch_dir() -> Path:

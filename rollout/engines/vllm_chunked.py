@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.engines.base import Completion, FinishReason, SamplingParams, counts
-from rollout.engines.lora import AdapterSlot
+from rollout.engines.lora import AdapterSlot, served_rank
 from services.adapters import AdapterInfo
 from services.dtype import Dtype
 
@@ -58,7 +58,8 @@ class VllmEngine:
 
         kwargs: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
         if lora_max_rank:  # one adapter, the learner's, replaced in place at each version (rollout/engines/lora.py)
-            kwargs |= {"enable_lora": True, "max_lora_rank": lora_max_rank, "max_loras": 1, "max_cpu_loras": 1}
+            rank = served_rank(lora_max_rank)  # vLLM takes a few values: the smallest that holds the adapter
+            kwargs |= {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1, "max_cpu_loras": 1}
         self.model_dir = Path(model_dir)
         # processed: the log-probs of the distribution sampled from (after the temperature), as the learner
         # recomputes them with the temperature each Sample carries; greedy requests get the model's own

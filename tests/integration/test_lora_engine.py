@@ -113,3 +113,24 @@ def test_an_adapter_replaced_in_flight(model_dir: Path, tmp_path: Path, mode: st
     for c in data["out"]["b"]:  # after the load: the second adapter only, never the first's cached prompt
         assert c["versions"] == [[2, len(c["token_ids"])]]
         assert worst(c["logprobs"], fresh(new, prompt, c["token_ids"])) < TOLERANCE
+
+
+def test_what_vllm_cannot_serve_is_refused_before_anything_starts(model_dir: Path, tmp_path: Path) -> None:
+    """`dapo-mesh up` asks this before it starts a service (mesh/up.py): a rank vLLM does not serve, a target the
+    model has no weight for, an architecture vLLM has no LoRA for. vLLM is imported, no engine is started."""
+    import shutil
+
+    from rollout.engines.lora import check_servable, served_rank
+
+    check_servable(model_dir, 8, list(TARGETS))
+    assert [served_rank(r) for r in (1, 4, 8, 9, 32, 100, 512)] == [1, 8, 8, 16, 32, 128, 512]
+    with pytest.raises(ValueError, match="up to rank 512"):
+        check_servable(model_dir, 600)
+    with pytest.raises(ValueError, match=r"no 2-d weight named \['lm_head'\]"):  # tied: the embedding's weight
+        check_servable(model_dir, 8, ["q_proj", "lm_head"])
+    bogus = tmp_path / "bogus"
+    shutil.copytree(model_dir, bogus)
+    config = json.loads((bogus / "config.json").read_text()) | {"architectures": ["NoSuchModelForCausalLM"]}
+    (bogus / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no model class"):
+        check_servable(bogus, 8)
