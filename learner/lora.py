@@ -5,7 +5,8 @@ PEFT saves them under (what the weight sync sends and the replicas load).
     info = adapter_info(settings)                     # AdapterInfo (services/adapters.py): rank, alpha, base
     for wire_name, position, param in adapter_params(engine.module): ...
 
-The adapter starts as peft initialises it (lora_B = 0): version 0 is the base model exactly. DeepSpeed sees only
+The adapter starts as peft initialises it (lora_B = 0: version 0 is the base model exactly; lora_A random, drawn from
+--seed, so that every rank, a replay and a run started again draw the same). DeepSpeed sees only
 the adapter's parameters in the optimizer (fp32 master weights and AdamW state for them alone, bf16 or not); the
 frozen base is cast to the compute dtype with the rest of the module. LoRA dropout acts in training passes only: the
 no-grad log-prob pass (pi_prox) runs the module in eval mode, as the replicas sample without dropout.
@@ -60,7 +61,9 @@ def wrap(model: torch.nn.Module, s: LearnerSettings) -> Any:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    with torch.random.fork_rng():  # A's random init from --seed: every rank, a resumed run and a replay agree
+        torch.manual_seed(s.seed)
+        return get_peft_model(model, config)
 
 
 def is_peft(module: torch.nn.Module) -> bool:
