@@ -29,6 +29,7 @@ from services import adapters, snapshots
 from services.adapters import AdapterInfo
 
 log = logging.getLogger(__name__)
+TRAINABLE = "dapo-trainable.json"  # beside each checkpoint: the names and shapes of the tensors it trained
 
 
 @dataclass
@@ -61,11 +62,36 @@ def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2) -> s
     barrier()  # N ranks: every rank's shard is written before rank 0 names the checkpoint (and acknowledges)
     if engine.global_rank != 0:
         return tag
+    (ckpt_dir / tag / TRAINABLE).write_text(json.dumps(trainable_names(engine)))
     snapshots.write_atomic(run_dir / "state.json", json.dumps(asdict(state) | {"tag": tag}))
     tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("v"))
     for old in tags[:-keep]:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
     return tag
+
+
+def trainable_names(engine: Any) -> list[str]:
+    """The names of the parameters that train (every one, or a LoRA adapter's), with their shapes: what a resume must
+    find again."""
+    return [
+        f"{n}{list(getattr(p, 'ds_shape', p.shape))}" for n, p in engine.module.named_parameters() if p.requires_grad
+    ]
+
+
+def check_trainable(engine: Any, tag_dir: Path) -> None:
+    """Before DeepSpeed loads: the checkpoint trained the tensors this learner trains (a LoRA checkpoint is loaded
+    non-strictly, and a resume with another --lora-rank or --lora-targets would fail obscurely or load the optimizer
+    state onto other tensors). Checkpoints written before the file existed are not checked."""
+    path = tag_dir / TRAINABLE
+    if not path.exists():
+        return
+    saved, mine = json.loads(path.read_text()), trainable_names(engine)
+    if saved != mine:
+        raise RuntimeError(
+            f"the checkpoint {tag_dir} trained {len(saved)} tensors ({', '.join(saved[:2])}, ...), this learner trains "
+            f"{len(mine)} ({', '.join(mine[:2])}, ...): resume with the run's --lora-rank and --lora-targets, or "
+            "start a new --run-dir"
+        )
 
 
 def read_state(run_dir: Path) -> LearnerState | None:
@@ -82,6 +108,7 @@ def load(engine: Any, run_dir: Path) -> LearnerState | None:
     ckpt_dir = run_dir / "checkpoints"
     if not (ckpt_dir / "latest").exists():
         return None
+    check_trainable(engine, ckpt_dir / (ckpt_dir / "latest").read_text().strip())
     frozen = any(not p.requires_grad for p in engine.module.parameters())  # LoRA: saved without the base
     path, client_state = engine.load_checkpoint(str(ckpt_dir), load_module_strict=not frozen)
     if path is None:
@@ -108,7 +135,8 @@ def export_hf(
     out = snapshots.snapshot_dir(hf_dir, version)
     tmp = hf_dir / f".tmp-{out.name}"
     module = engine.module
-    params = list(module.parameters())
+    # LoRA: the adapter alone is written, so only it is gathered (not a 70B base on every rank)
+    params = [p for p in module.parameters() if adapter is None or p.requires_grad]
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
         if engine.global_rank != 0:
             return out

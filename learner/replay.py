@@ -4,7 +4,8 @@
 
 RUN_DIR is a learner's run dir (or a mesh run dir: its learner/) whose learner ran with --record-batches
 (learner/record.py); M is the model the run started from (for a run recorded from version v > 0: the snapshot
-of version v). Each batch is trained at the version it was trained at in the run (the LR schedule, the mini-batch
+of version v; a LoRA run's replay starts at version 0 from the base model, the adapter drawn from the recorded
+--seed). Each batch is trained at the version it was trained at in the run (the LR schedule, the mini-batch
 shuffle and the gap metrics depend on it) with the recorded update settings; with the same dtype, ZeRO stage and
 threads the weights come out as the run's (tested: bit for bit on one process). A run can thus be reproduced,
 bisected (`--until V`), and its updates debugged with the recorded inputs. The HF snapshot goes to OUT/hf/v<last>.
@@ -47,6 +48,11 @@ def replay(
     if not found:
         raise ValueError(f"no recorded batch before version {until}")
     settings = read_settings(d)
+    if settings.get("lora_rank") and found[0][0] > 0:
+        raise ValueError(
+            f"the recording starts at version {found[0][0]} of a LoRA run: a replay trains a fresh adapter from the "
+            "base model, so it needs the batches from version 0"
+        )
     first = load_batch(found[0][1])
     size = nproc if world()[1] == 1 else world()[1]
     check_ranks(sum(len(g.samples) for g in first.groups), int(settings["minibatches"]), size)

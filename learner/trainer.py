@@ -139,14 +139,15 @@ class Trainer:
         entropy before this batch's updates)."""
         out = torch.zeros_like(t.behaviour_logp)
         ent = torch.zeros(2, dtype=torch.float64)  # entropy sum, token count
-        module = self.engine.module
-        training = module.training
-        if self.s.lora_rank is not None and self.s.lora_dropout > 0:
-            module.train(False)  # no LoRA dropout in pi_prox: the replicas sample without it
+        # no LoRA dropout in pi_prox: the replicas sample without it (its modules alone: the base keeps its mode)
+        dropouts = [m for n, m in self.engine.module.named_modules() if ".lora_dropout." in n and m.training]
+        for m in dropouts:
+            m.train(False)
         try:
             self._logprobs_all(t, mask, out, ent)
         finally:
-            module.train(training)
+            for m in dropouts:
+                m.train(True)
         all_sum(out)
         all_sum(ent)
         return out, float(ent[0] / max(float(ent[1]), 1.0))

@@ -314,6 +314,14 @@ def evaluate(
         data, size=size, seed=dataset_seed, dataset_size=dataset_size, config=config, template=cast(Any, template)
     )
     model_dir = model or prepare_smollm2(RunLayout(RUN_DIR).smollm2)
+    from services.adapters import is_adapter
+
+    if is_adapter(model_dir):
+        raise typer.BadParameter(
+            f"{model_dir} is a LoRA adapter: merge it into its base first (dapo-mesh merge --adapter {model_dir} "
+            "--out DIR), then evaluate DIR",
+            param_hint="--model",
+        )
     with contextlib.ExitStack() as stack:
         if reward_url is None:
             env = {"DAPO_AUTH_TOKEN": reward_token} if reward_token else {}

@@ -56,6 +56,10 @@ def build(
     dtype = resolve_dtype(s.dtype, log)
     if s.lora_max_rank and s.engine != "vllm":
         raise ValueError("--lora-max-rank: adapters are served by the vllm engine (vLLM's LoRA), not the hf engine")
+    if s.lora_max_rank:
+        from rollout.engines.lora import check_servable
+
+        check_servable(s.model_dir, s.lora_max_rank)
     if s.engine == "vllm" and s.stream:
         engine = load_engine(
             s.model_dir,

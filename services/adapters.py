@@ -94,6 +94,8 @@ def check_adapter(
             f"the adapter was trained on another base model (fingerprint {info.base}, this replica's is {base}): "
             "serve the learner's base model"
         )
+    if not 0 < info.alpha < float("inf"):
+        raise ValueError(f"the adapter's alpha {info.alpha} is not a positive number")
     if not 0 < info.rank <= max_rank:
         raise ValueError(f"the adapter's rank {info.rank} is not in 1..{max_rank} (this replica's --lora-max-rank)")
     factors: dict[str, set[str]] = {}
@@ -110,6 +112,16 @@ def check_adapter(
         raise ValueError("the adapter has no LoRA tensor")
     if half := sorted(m for m, ab in factors.items() if ab != {"A", "B"}):
         raise ValueError(f"the adapter has lora_A or lora_B alone for {half[:3]}")
+    # every module its targets name (peft's rule: the name or a dotted suffix of it), and no other: a module left
+    # out would run the base weights there, another policy served silently
+    targeted = {n[: -len(".weight")] for n, s in expected.items() if len(s) == 2 and n.endswith(".weight")}
+    targeted = {m for m in targeted if any(m == t or m.endswith("." + t) for t in info.targets)}
+    if set(factors) != targeted:
+        missing, extra = sorted(targeted - set(factors)), sorted(set(factors) - targeted)
+        raise ValueError(
+            f"the adapter does not cover its targets {list(info.targets)}: lacks {missing[:3]}, "
+            f"has {extra[:3]} beyond them"
+        )
 
 
 def is_adapter(folder: Path) -> bool:
@@ -150,7 +162,8 @@ def merge(base_dir: Path, adapter_dir: Path, out_dir: Path, *, check: bool = Tru
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out_dir, safe_serialization=True)
-    for f in Path(base_dir).iterdir():  # the tokenizer and generation config, as the base has them
-        if f.is_file() and not f.name.endswith(".safetensors") and not (out_dir / f.name).exists():
+    weights = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".gguf")
+    for f in Path(base_dir).iterdir():  # the tokenizer and generation config, as the base has them; no weights
+        if f.is_file() and not f.name.endswith(weights) and not (out_dir / f.name).exists():
             shutil.copy2(f, out_dir / f.name)
     return Path(out_dir)

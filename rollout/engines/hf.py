@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.engines.base import Completion, FinishReason, SamplingParams, counts
-from services.adapters import AdapterInfo
+from services.adapters import AdapterInfo, is_adapter
 from services.dtype import Dtype, torch_dtype
 
 
@@ -76,6 +76,8 @@ class HFEngine:
         return Completion(tokens, text, logps, reason)
 
     def load_weights(self, hf_dir: Path, version: int) -> None:
+        if is_adapter(hf_dir):
+            raise ValueError(f"{hf_dir} is a LoRA adapter: the HF engine serves full weights; use the vllm engine")
         from safetensors.torch import load_file
 
         state: dict[str, Any] = {}

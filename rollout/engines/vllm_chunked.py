@@ -26,7 +26,7 @@ from typing import Any
 
 from rollout.engines.base import Completion, FinishReason, SamplingParams, counts
 from rollout.engines.lora import AdapterSlot, served_rank
-from services.adapters import AdapterInfo
+from services.adapters import AdapterInfo, is_adapter
 from services.dtype import Dtype
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,8 @@ class VllmEngine:
         LoRA: the learner's adapter folder, checked against this base model first."""
         if self.lora is not None:
             self.lora.load_folder(hf_dir)
+        elif is_adapter(hf_dir):
+            raise ValueError(f"{hf_dir} is a LoRA adapter: start the replica with --lora-max-rank to serve it")
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
             self.llm.collective_rpc(_retie_lm_head)

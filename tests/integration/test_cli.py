@@ -119,3 +119,34 @@ def test_prepare_model_from_a_local_hf_folder(tmp_path: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     r = run(["prepare-model", "--source", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")], cwd=root)
     assert r.returncode != 0 and "neither an HF model folder nor a .gguf file" in r.stderr + r.stdout
+
+
+@pytest.mark.slow
+def test_merge_an_adapter_and_refuse_to_evaluate_one_unmerged(tmp_path: Path) -> None:
+    """`dapo-mesh merge` (issue 31): a LoRA snapshot + its base -> a plain HF folder with the adapter's logits;
+    another base is refused; `dapo-mesh eval --model ADAPTER` says to merge first."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from learner.tiny import tiny_llama
+    from services.adapters import AdapterInfo, fingerprint, write_info
+
+    base, other = tiny_llama(tmp_path / "base"), tiny_llama(tmp_path / "other", seed=3)
+    torch.manual_seed(0)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "adapter")
+    write_info(tmp_path / "adapter", AdapterInfo(fingerprint(base), 4, 8.0, ("q_proj", "v_proj")))
+    root = Path(__file__).resolve().parents[2]
+    args = ["merge", "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged"), "--base"]
+    r = run([*args, str(base)], cwd=root, PYTHONPATH=str(root))
+    assert r.returncode == 0, r.stderr
+    ids = torch.tensor([[3, 50, 7, 120]])
+    with torch.no_grad():
+        want = peft(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    r = run([*args[:-2], str(tmp_path / "m2"), "--base", str(other)], cwd=root, PYTHONPATH=str(root))
+    assert r.returncode != 0 and "trained on base" in r.stderr + r.stdout
+    r = run(["eval", "--model", str(tmp_path / "adapter")], cwd=root, PYTHONPATH=str(root))
+    assert r.returncode != 0 and "merge it into its base first" in r.stderr + r.stdout

@@ -88,6 +88,9 @@ def test_the_checkpoint_holds_the_adapter_and_a_resume_continues_it(tiny_model: 
     got = adapter_state(second)
     for n, want in uninterrupted.items():
         torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-6, msg=n)
+    other = trainer(tmp_path, tiny_model, run_dir=run_dir, lora_rank=8)  # not the run's adapter
+    with pytest.raises(RuntimeError, match="resume with the run's --lora-rank"):
+        checkpoint.load(other.engine, run_dir)
 
 
 def test_the_export_is_a_peft_adapter_and_merge_gives_the_same_model(tiny_model: Path, tmp_path: Path) -> None:
@@ -123,6 +126,8 @@ def test_the_weight_sync_sends_the_adapter_alone(tiny_model: Path, tmp_path: Pat
         assert {n for n, _, _ in m.params} == set(saved)  # the names and tensors of PEFT's file, nothing else
         assert all(tuple(saved[n].shape) == s for n, _, s in m.params)
         assert m.adapter == t.adapter
+        params = list(t.engine.module.parameters())  # what a ZeRO-3 follower gathers, by position (learner/ranks.py)
+        assert all(params[sender.positions[i]] is p for i, (_, p) in enumerate(sender.params))
         full = sum(p.numel() * p.element_size() for p in t.engine.module.parameters())
         assert m.nbytes < full / 2
     finally:

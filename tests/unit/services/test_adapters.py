@@ -49,8 +49,11 @@ def test_an_adapter_must_fit_the_base_model_and_the_server(tmp_path: Path) -> No
     base, specs = fingerprint(model), model_specs(model)
     info = AdapterInfo(base, 4, 8.0, ("q_proj", "v_proj"))
     check_adapter(info, _adapter(4), specs, base, max_rank=4)
-    check_adapter(info, _adapter(4, ("q_proj",)), specs, base, max_rank=8)
+    check_adapter(AdapterInfo(base, 4, 8.0, ("self_attn.q_proj",)), _adapter(4, ("q_proj",)), specs, base, max_rank=8)
     cases = [
+        ("does not cover its targets", info, _adapter(4, ("q_proj",)), 8),  # v_proj would run the base weights
+        ("does not cover its targets", AdapterInfo(base, 4, 8.0, ("q_proj",)), _adapter(4), 8),
+        ("alpha nan", AdapterInfo(base, 4, float("nan"), ("q_proj", "v_proj")), _adapter(4), 8),
         ("another base model", AdapterInfo("0" * 16, 4, 8.0, ()), _adapter(4), 8),
         ("rank 4 is not in 1..2", info, _adapter(4), 2),
         ("no 2-d weight model.norm", info, [("base_model.model.model.norm.lora_A.weight", (4, 6))], 8),
