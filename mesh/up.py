@@ -104,7 +104,7 @@ class Mesh:
         from rollout.engines.lora import check_servable
 
         try:
-            check_servable(model, self.cfg.lora_rank, self.cfg.learner.lora_target_list)
+            check_servable(model, self.cfg.lora_rank, self.cfg.learner.lora_target_list, self.cfg.rollout.lora_serving)
         except ValueError as e:
             raise PresetError(f"lora_rank {self.cfg.lora_rank}: {e}") from None
         self.say(f"lora: rank {self.cfg.lora_rank} on {', '.join(self.cfg.learner.lora_target_list)}")

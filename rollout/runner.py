@@ -41,6 +41,7 @@ def engine_placement(s: RolloutSettings) -> dict[str, Any]:
         "eager": s.vllm_eager,
         "cpu_cores": s.cpu_cores,
         "lora_max_rank": s.lora_max_rank,
+        "lora_serving": s.lora_serving,
     }
 
 
@@ -59,7 +60,7 @@ def build(
     if s.lora_max_rank:
         from rollout.engines.lora import check_servable
 
-        check_servable(s.model_dir, s.lora_max_rank)
+        check_servable(s.model_dir, s.lora_max_rank, serving=s.lora_serving)
     if s.engine == "vllm" and s.stream:
         engine = load_engine(
             s.model_dir,

@@ -31,6 +31,8 @@ Batching = Literal["chunked", "continuous"]
 # what a weight load does to the sequences in flight of a continuously batching engine (rollout/engines/continuous.py)
 UpdateMode = Literal["keep", "recompute", "drain"]
 UPDATE_MODES: tuple[UpdateMode, ...] = ("keep", "recompute", "drain")
+# how a vLLM engine serves a LoRA adapter (rollout/engines/lora.py): vLLM's LoRA layers, or merged into its weights
+LoraServing = Literal["auto", "vllm", "merge"]
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from rollout.engines.base import Completion, FinishReason, SamplingParams, counts
-from rollout.engines.lora import AdapterSlot, served_rank
+from rollout.engines.base import Completion, FinishReason, LoraServing, SamplingParams, counts
+from rollout.engines.lora import AdapterSlot, MergedAdapter, resolve_serving, served_rank
 from services.adapters import AdapterInfo, is_adapter
 from services.dtype import Dtype
 
@@ -45,6 +45,7 @@ class VllmEngine:
         dtype: Dtype = "fp32",
         cpu_cores: str | None = None,
         lora_max_rank: int | None = None,
+        lora_serving: LoraServing = "auto",
     ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         # the engine in this process: weight reloads call into the model directly, nothing is pickled
@@ -57,7 +58,9 @@ class VllmEngine:
         from vllm import LLM
 
         kwargs: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
-        if lora_max_rank:  # one adapter, the learner's, replaced in place at each version (rollout/engines/lora.py)
+        lora_serving = cast(LoraServing, resolve_serving(lora_serving))  # auto: vllm on GPUs, merge on CPUs
+        self.lora_serving: LoraServing = lora_serving
+        if lora_max_rank and lora_serving == "vllm":  # one adapter, replaced in place each version (engines/lora.py)
             rank = served_rank(lora_max_rank)  # vLLM takes a few values: the smallest that holds the adapter
             kwargs |= {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1, "max_cpu_loras": 1}
         self.model_dir = Path(model_dir)
@@ -79,7 +82,12 @@ class VllmEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
-        self.lora = AdapterSlot(self.llm, self.model_dir, lora_max_rank) if lora_max_rank else None
+        self.lora = (
+            AdapterSlot(self.llm, self.model_dir, lora_max_rank) if lora_max_rank and lora_serving == "vllm" else None
+        )
+        self.merger = (
+            MergedAdapter(self.model_dir, lora_max_rank) if lora_max_rank and lora_serving == "merge" else None
+        )
 
     def generate(self, prompts: list[list[int]], n: int | list[int], params: SamplingParams) -> list[list[Completion]]:
         import torch
@@ -117,6 +125,9 @@ class VllmEngine:
         LoRA: the learner's adapter folder, checked against this base model first."""
         if self.lora is not None:
             self.lora.load_folder(hf_dir)
+        elif self.merger is not None:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.merger.merged_folder(hf_dir)})
+            self.llm.collective_rpc(_retie_lm_head)
         elif is_adapter(hf_dir):
             raise ValueError(f"{hf_dir} is a LoRA adapter: start the replica with --lora-max-rank to serve it")
         else:
@@ -135,10 +146,13 @@ class VllmEngine:
         """In-place reload from (name, tensor) pairs in HF naming (the broadcast's buckets), between engine calls
         or steps. The engine runs in this process, so the iterator is handed over as is: nothing is copied or
         pickled. With LoRA: the adapter's tensors (PEFT's names) and what it is (`adapter`, from the manifest)."""
-        if self.lora is not None:
-            if adapter is None:
-                raise ValueError("this engine serves LoRA adapters: full weights cannot be loaded into it")
+        if (self.lora is not None or self.merger is not None) and adapter is None:
+            raise ValueError("this engine serves LoRA adapters: full weights cannot be loaded into it")
+        if self.lora is not None and adapter is not None:
             self.lora.load(adapter, named)
+        elif self.merger is not None and adapter is not None:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.merger.merged(adapter, named)})
+            self.llm.collective_rpc(_retie_lm_head)
         elif adapter is not None:
             raise ValueError("an adapter was sent to an engine without LoRA (start the replica with --lora-max-rank)")
         else:

@@ -28,13 +28,17 @@ if __name__ == "__main__":
     from rollout.engines.continuous import ContinuousEngine
     from rollout.engines.vllm_chunked import VllmEngine
     from services.adapters import read_adapter
-    base, first, second, foreign, mode = sys.argv[1:6]
-    engine = ContinuousEngine(VllmEngine(base, kv_cache_gib=1, max_model_len=512, lora_max_rank=8), update=mode, seed=5)
-    engine.load_weights(first, 1)                     # the filesystem transport: the learner's adapter folder
+    base, first, second, foreign, mode, serving = sys.argv[1:7]
+    vllm = VllmEngine(base, kv_cache_gib=1, max_model_len=512, lora_max_rank=8, lora_serving=serving)
+    engine = ContinuousEngine(vllm, update=mode, seed=5)
     prompt = (encode_prompt(engine.tokenizer, "What is 2 + 3?") * 40)[:300]  # two full KV blocks: cacheable
     params = SamplingParams(max_tokens=40)
-    engine.submit("a", prompt, 4, params)
+    engine.submit("z", prompt, 2, params)             # before any adapter: the base model, version 0
     done = []
+    for _ in range(4):
+        done += engine.step()
+    engine.load_weights(first, 1)                     # the filesystem transport: the learner's adapter folder
+    engine.submit("a", prompt, 4, params)
     for _ in range(8):
         done += engine.step()
     boundary = {int(rid.split("#")[1]): n for rid, n in engine.tokens_so_far().items()}
@@ -73,8 +77,11 @@ def adapter(base: Path, out: Path, seed: int) -> Path:
     return out
 
 
-@pytest.mark.parametrize("mode", ["keep", "recompute"])
-def test_an_adapter_replaced_in_flight(model_dir: Path, tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "serving"), [("keep", "vllm"), ("recompute", "vllm"), ("keep", "merge")])
+def test_an_adapter_replaced_in_flight(model_dir: Path, tmp_path: Path, mode: str, serving: str) -> None:
+    """`vllm` serving (vLLM's LoRA layers) and `merge` serving (merged into the replica's base weights) give the
+    same log-probs and versions; a sequence started before any adapter stays on the base model under `vllm` serving
+    (its requests carry no adapter) and continues under the adapter like any other under `merge` serving."""
     first, second = adapter(model_dir, tmp_path / "a1", 1), adapter(model_dir, tmp_path / "a2", 2)
     other = tiny_llama(tmp_path / "other", hidden=256, tokenizer=True, seed=7)  # same shapes, other weights
     foreign = adapter(other, tmp_path / "foreign", 3)
@@ -83,7 +90,7 @@ def test_an_adapter_replaced_in_flight(model_dir: Path, tmp_path: Path, mode: st
     env = os.environ | {"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                         "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "TMPDIR": str(tmp_path)}  # fmt: skip
     args = [str(p) for p in (model_dir, first, second, foreign)]
-    r = subprocess.run([sys.executable, str(script), *args, mode], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(script), *args, mode, serving], env=env, capture_output=True, text=True,
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -92,7 +99,7 @@ def test_an_adapter_replaced_in_flight(model_dir: Path, tmp_path: Path, mode: st
     old = load(merge(model_dir, first, tmp_path / "m1"))
     new = load(merge(model_dir, second, tmp_path / "m2"))
     prompt, boundary = data["prompt"], {int(k): v for k, v in data["boundary"].items()}
-    assert len(data["out"]["a"]) == 4 and len(data["out"]["b"]) == 2
+    assert len(data["out"]["a"]) == 4 and len(data["out"]["b"]) == 2 and len(data["out"]["z"]) == 2
     assert worst(fresh(old, prompt, prompt[:1]), fresh(new, prompt, prompt[:1])) > 10 * TOLERANCE  # they differ
     spanning = 0
     for j, c in enumerate(data["out"]["a"]):
@@ -110,6 +117,18 @@ def test_an_adapter_replaced_in_flight(model_dir: Path, tmp_path: Path, mode: st
             assert worst(lps[b:], continued(old, new, prompt, tokens, b)) < TOLERANCE
         spanning += 1
     assert spanning >= 2
+    base = load(model_dir)
+    for c in data["out"]["z"]:  # submitted before any adapter
+        tokens, runs = c["token_ids"], c["versions"]
+        if serving == "vllm":  # the base model's tokens, every one version 0
+            assert runs == [[0, len(tokens)]]
+            assert worst(c["logprobs"], fresh(base, prompt, tokens)) < TOLERANCE
+        else:  # the base's tokens until the load, the first adapter's after (keep: on the base's K/V)
+            b = runs[0][1]
+            assert runs[0][0] == 0 and b < len(tokens) and runs[1][0] == 1, runs
+            assert worst(c["logprobs"][:b], fresh(base, prompt, tokens)[:b]) < TOLERANCE
+            n = runs[1][1]  # the first adapter's tokens (the second may load while it still runs)
+            assert worst(c["logprobs"][b : b + n], continued(base, old, prompt, tokens, b)[:n]) < TOLERANCE
     for c in data["out"]["b"]:  # after the load: the second adapter only, never the first's cached prompt
         assert c["versions"] == [[2, len(c["token_ids"])]]
         assert worst(c["logprobs"], fresh(new, prompt, c["token_ids"])) < TOLERANCE
