@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and print one table (and its JSON)."""
 
-from bench import curriculum, learner, mesh, placement, queue, ranks, reward, rollout, weight_sync
+from bench import curriculum, learner, lora, mesh, placement, queue, ranks, reward, rollout, weight_sync
 from bench.common import print_table
 
 if __name__ == "__main__":
@@ -15,5 +15,6 @@ if __name__ == "__main__":
         + rollout.dtype_rows()
         + rollout.inflight_rows()
         + weight_sync.run()
+        + lora.run()
         + mesh.run()
     )

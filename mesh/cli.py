@@ -314,14 +314,7 @@ def evaluate(
         data, size=size, seed=dataset_seed, dataset_size=dataset_size, config=config, template=cast(Any, template)
     )
     model_dir = model or prepare_smollm2(RunLayout(RUN_DIR).smollm2)
-    from services.adapters import is_adapter
-
-    if is_adapter(model_dir):
-        raise typer.BadParameter(
-            f"{model_dir} is a LoRA adapter: merge it into its base first (dapo-mesh merge --adapter {model_dir} "
-            "--out DIR), then evaluate DIR",
-            param_hint="--model",
-        )
+    _not_an_adapter(model_dir)
     with contextlib.ExitStack() as stack:
         if reward_url is None:
             env = {"DAPO_AUTH_TOKEN": reward_token} if reward_token else {}
@@ -353,6 +346,17 @@ def evaluate(
         print(report.to_json())
         return
     console.print(_report_table(report, f"{model_dir.name}: {len(items)} held-out prompts × {k} samples", k))
+
+
+def _not_an_adapter(model_dir: Path) -> None:
+    from services.adapters import is_adapter
+
+    if is_adapter(model_dir):
+        raise typer.BadParameter(
+            f"{model_dir} is a LoRA adapter: merge it into its base first (dapo-mesh merge --adapter {model_dir} "
+            "--out DIR), then evaluate DIR",
+            param_hint="--model",
+        )
 
 
 def _report_table(report: Any, title: str, k: int) -> Table:

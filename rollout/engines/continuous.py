@@ -53,12 +53,9 @@ class _Sequence:
     index: int
     version: int  # the weights it started under
     marks: list[tuple[int, int]] = field(default_factory=list)  # (version before a load, its tokens at that load)
-    pinned: bool = False  # every token by `version`: it runs on the base model, whatever adapter loads (LoRA)
 
     def runs(self, tokens: int, version: int) -> tuple[tuple[int, int], ...]:
         """The version of each of its `tokens` as run-lengths, oldest first; `version`: the weights held now."""
-        if self.pinned:
-            return ((self.version, tokens),) if tokens else ()
         out: list[list[int]] = []
         done = 0
         for v, mark in [*self.marks, (version, tokens)]:
@@ -203,12 +200,8 @@ class ContinuousEngine:
             raise RuntimeError("drain mode: weights load once no sequence is in flight")
         t0 = time.perf_counter()
         before = self.version
-        # LoRA: a sequence submitted before the first adapter carries none, and stays on the base model (version 0,
-        # the learner's adapter with B = 0) whatever loads: its tokens keep the version it started under
-        bare = self.vllm.lora is not None and self.vllm.adapter_request is None
         for rid, n in self.tokens_so_far().items():  # the old weights sampled these; the next token is the new's
             self.seqs[rid].marks.append((before, n))
-            self.seqs[rid].pinned |= bare
         load()  # keep: the running requests stay; recompute: they are preempted and re-encoded (vllm_chunked.py)
         self.loads += 1
         log.debug(

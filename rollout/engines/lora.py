@@ -8,11 +8,12 @@ CPUs, where vLLM's LoRA kernels cost 2.6x in tokens/s). The rest of this docstri
     slot.load_folder(snapshot)         # the filesystem transport: the learner's adapter folder
     llm.generate(..., lora_request=slot.request)
 
-One adapter id for the whole run: every request carries it, so sequences in flight read the new adapter from their
-next token (what the engine's `keep` mode means; `recompute` re-encodes them, `drain` waits — rollout/engines/
-continuous.py, unchanged), and the policy version of each token is counted as for full weights. New requests carry a
-cache salt of their version and the prefix cache is reset after a load unless running sequences keep their K/V
-(rollout/engines/vllm_chunked.py): no K/V an older adapter computed is served to a request of a newer version.
+One adapter id for the whole run, loaded at start as a zero adapter (the base model exactly): every request carries
+it, so sequences in flight read the new adapter from their next token (what the engine's `keep` mode means;
+`recompute` re-encodes them, `drain` waits — rollout/engines/continuous.py, unchanged), and the policy version of
+each token is counted as for full weights. New requests carry a cache salt of their version and the prefix cache is
+reset after a load unless running sequences keep their K/V (rollout/engines/vllm_chunked.py): no K/V an older
+adapter computed is served to a request of a newer version.
 
 vLLM loads an adapter from a folder: the tensors go to a private folder in memory (/dev/shm where there is one), a
 few MB, then `add_lora(load_inplace=True)` reads them there. An adapter is checked against this base model first
@@ -33,6 +34,7 @@ from typing import Any
 from services.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    PREFIX,
     AdapterInfo,
     check_adapter,
     fingerprint,
@@ -101,8 +103,27 @@ class AdapterSlot:
         self.base = fingerprint(model_dir)
         self.folder = scratch_dir()
         weakref.finalize(self, shutil.rmtree, self.folder, True)
-        self.request: Any = None  # the LoRARequest requests carry, once an adapter is loaded
+        self.request: Any = None  # the LoRARequest every request carries
         self.info: AdapterInfo | None = None
+        self._write(*self.zero_adapter())  # from the start: no request runs without the adapter's id (below)
+
+    def zero_adapter(self) -> tuple[AdapterInfo, dict[str, Any]]:
+        """A rank-1 adapter with B = 0 on one weight: the base model exactly, under the adapter's id. Loaded before any
+        request, so that every request carries the id and reads each new adapter in place: a request without one
+        is not reliably the base model in a batch where an adapter is active (seen with vLLM 0.32's CPU kernels: its
+        log-probs moved by 0.7 once an adapter loaded beside it)."""
+        import torch
+
+        weights = sorted(n for n, shape in self.expected.items() if len(shape) == 2 and ".layers.0." in n)
+        name = next((n for n in weights if n.endswith("q_proj.weight")), weights[0] if weights else None)
+        if name is None:
+            raise ValueError("no 2-d weight in the first layer to put a LoRA adapter on")
+        module, (out, inp) = name[: -len(".weight")], self.expected[name]
+        tensors = {
+            f"{PREFIX}{module}.lora_A.weight": torch.zeros(1, inp),
+            f"{PREFIX}{module}.lora_B.weight": torch.zeros(out, 1),
+        }
+        return AdapterInfo(self.base, 1, 1.0, (module.rsplit(".", 1)[-1],)), tensors
 
     def load(self, info: AdapterInfo, named: Iterator[tuple[str, Any]]) -> None:
         """Replace the adapter with these tensors (they may be views into the broadcast's buckets: copied)."""

@@ -40,17 +40,26 @@ def trainer(tmp_path: Path, model: Path, **kw: Any) -> Trainer:
     return Trainer(s)
 
 
+def _state(t: Trainer, trainable: bool) -> dict[str, torch.Tensor]:
+    """The values (ZeRO-3: gathered) of the trainable parameters, or of the frozen ones."""
+    import deepspeed
+
+    named = [(n, p) for n, p in t.engine.module.named_parameters() if p.requires_grad == trainable]
+    with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=t.s.zero_stage == 3):
+        return {n: p.detach().clone() for n, p in named}
+
+
 def adapter_state(t: Trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in t.engine.module.named_parameters() if p.requires_grad}
+    return _state(t, True)
 
 
 def base_state(t: Trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in t.engine.module.named_parameters() if not p.requires_grad}
+    return _state(t, False)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_only_the_adapter_trains(tiny_model: Path, tmp_path: Path, dtype: str) -> None:
-    t = trainer(tmp_path, tiny_model, dtype=dtype)
+@pytest.mark.parametrize(("dtype", "stage"), [("fp32", 0), ("bf16", 0), ("fp32", 3)])
+def test_only_the_adapter_trains(tiny_model: Path, tmp_path: Path, dtype: str, stage: int) -> None:
+    t = trainer(tmp_path, tiny_model, dtype=dtype, zero_stage=stage)
     trainable = adapter_state(t)
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert all(float(p.abs().sum()) == 0 for n, p in trainable.items() if ".lora_B." in n)  # version 0 = the base
@@ -68,9 +77,12 @@ def test_only_the_adapter_trains(tiny_model: Path, tmp_path: Path, dtype: str) -
     assert float(delta[rewards > 0].mean()) > float(delta[rewards < 0].mean())
 
 
-def test_the_checkpoint_holds_the_adapter_and_a_resume_continues_it(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_checkpoint_holds_the_adapter_and_a_resume_continues_it(
+    tiny_model: Path, tmp_path: Path, stage: int
+) -> None:
     run_dir = tmp_path / "run"
-    first = trainer(tmp_path, tiny_model, run_dir=run_dir)
+    first = trainer(tmp_path, tiny_model, run_dir=run_dir, zero_stage=stage)
     first.train(tiny_batch(0), version=0)
     state = LearnerState()
     state.advance(0, 2, "d0")
@@ -81,14 +93,14 @@ def test_the_checkpoint_holds_the_adapter_and_a_resume_continues_it(tiny_model: 
     first.train(tiny_batch(1), version=1)
     uninterrupted = adapter_state(first)
 
-    second = trainer(tmp_path, tiny_model, run_dir=run_dir)
+    second = trainer(tmp_path, tiny_model, run_dir=run_dir, zero_stage=stage)
     resumed = checkpoint.load(second.engine, run_dir)
     assert resumed is not None and resumed.version == 1 and resumed.trained == [0]
     second.train(tiny_batch(1), version=1)  # the optimizer's moments came back too: the same step as before
     got = adapter_state(second)
     for n, want in uninterrupted.items():
         torch.testing.assert_close(got[n], want, rtol=1e-5, atol=1e-6, msg=n)
-    other = trainer(tmp_path, tiny_model, run_dir=run_dir, lora_rank=8)  # not the run's adapter
+    other = trainer(tmp_path, tiny_model, run_dir=run_dir, lora_rank=8, zero_stage=stage)  # not the run's adapter
     with pytest.raises(RuntimeError, match="resume with the run's --lora-rank"):
         checkpoint.load(other.engine, run_dir)
 
