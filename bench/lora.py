@@ -90,7 +90,7 @@ def sync_rows(model_dir: Path, repeats: int = 5) -> list[Result]:
     return rows
 
 
-def learner_once(model_dir: Path, rank: int | None, repeats: int = 2) -> dict[str, float]:
+def learner_once(model_dir: Path, rank: int | None, repeats: int = 1) -> dict[str, float]:
     """In this process: seconds per batch (best of `repeats` after a warm-up) and the peak RSS."""
     from learner.settings import LearnerSettings
     from learner.trainer import Trainer

@@ -172,7 +172,11 @@ def test_a_two_rank_zero3_learner_sends_its_gathered_weights_to_a_replica(record
                                   cwd=ROOT, timeout=300, capture_output=True, text=True)  # fmt: skip
             assert done.returncode == 0, done.stderr[-4000:]
             wv = unpack(client.get(KEY_WEIGHTS), WeightVersion)
-            hb = unpack(client.get(REPLICA_KEY_PREFIX + "r"), ReplicaHeartbeat)
+            # the replica acknowledged version 3 once verified; it loads it at its next step, then says so
+            deadline = time.monotonic() + 60
+            while (hb := unpack(client.get(REPLICA_KEY_PREFIX + "r"), ReplicaHeartbeat)).weight_version < 3:
+                assert time.monotonic() < deadline, f"the replica still serves version {hb.weight_version}"
+                time.sleep(0.2)
         finally:
             replica.terminate()
             replica.wait(60)
