@@ -3,12 +3,13 @@
 sync      bytes and seconds per weight-sync round (`WeightSender.publish`: pack, checksum, gloo broadcast, the
           receiver verifies and acknowledges) to one replica process running the real `WeightReceiver`, which checks
           the adapter against its base model; limit: the full model's round (ratio = LoRA / full).
-learner   seconds per TrainBatch (`Trainer.train`, bf16) and the process's peak RSS, full fine-tuning vs a rank-32
-          adapter, each in a fresh process; limit: full fine-tuning.
+learner   seconds per TrainBatch (`Trainer.train`, bf16 where the CPU has it) and the process's peak RSS, full
+          fine-tuning vs a rank-32 adapter, each in a fresh process; limit: full fine-tuning.
 replica   tokens/s of the vLLM engine serving an adapter (rank 32, the seven projections) ÷ the same engine without
-          one: served by vLLM's LoRA layers (what its CPU kernels cost here), and merged into the weights.
+          one: served by vLLM's LoRA layers (what its CPU kernels cost here), and merged into the weights; on
+          SmolLM2-135M-Instruct itself (vLLM needs its tokenizer).
 
-The model: SmolLM2-135M's shapes with random weights (bench/learner.py; speed does not depend on the values), bf16.
+The model: SmolLM2-135M's shapes with random weights (bench/learner.py; speed does not depend on the values).
 Run: `python -m bench.lora` (about 6 minutes on 2 cores).
 """
 
@@ -84,7 +85,14 @@ def sync_rows(model_dir: Path, repeats: int = 5) -> list[Result]:
     for rank in RANKS:
         sec, nbytes = timed[rank]
         rows += [
-            Result("lora", f"sync bytes, rank {rank} (bf16)", nbytes, full_b, "B", "the full model's round, bf16"),
+            Result(
+                "lora",
+                f"sync bytes, rank {rank} (fp32: peft keeps adapters in fp32)",
+                nbytes,
+                full_b,
+                "B",
+                "the full model's round, bf16",
+            ),
             Result("lora", f"sync s/round, rank {rank} → 1 replica", sec, full_s, "s", "the full model's round"),
         ]
     return rows
@@ -107,7 +115,7 @@ def learner_once(model_dir: Path, rank: int | None, repeats: int = 1) -> dict[st
         best = min(best, time.perf_counter() - t0)
     trainable = sum(p.numel() for p in trainer.engine.module.parameters() if p.requires_grad)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"seconds": best, "peak_bytes": float(peak), "trainable": float(trainable)}
+    return {"seconds": best, "peak_bytes": float(peak), "trainable": float(trainable), "dtype": trainer.dtype}
 
 
 def learner_rows(model_dir: Path) -> list[Result]:
@@ -118,7 +126,7 @@ def learner_rows(model_dir: Path) -> list[Result]:
         got[rank] = json.loads(out.stdout.strip().splitlines()[-1])
     full, lora = got[None], got[32]
     return [
-        Result("lora", "learner s/batch, rank 32 (bf16, 32 samples)", lora["seconds"], full["seconds"], "s",
+        Result("lora", f"learner s/batch, rank 32 ({lora['dtype']}, 32 samples)", lora["seconds"], full["seconds"], "s",
                "full fine-tuning, same batch"),
         Result("lora", "learner peak RSS, rank 32", lora["peak_bytes"] / 2**20, full["peak_bytes"] / 2**20, "MiB",
                "full fine-tuning (fp32 master weights + AdamW state of every weight)"),
@@ -186,8 +194,13 @@ def replica_rows(model_dir: Path) -> list[Result]:
 
 
 def run() -> list[Result]:
+    from mesh.layout import RunLayout
+    from services.model_prep import prepare_smollm2
+
     model_dir = smollm2_shaped(Path(tempfile.mkdtemp(prefix="dapo-bench-")) / "m")
-    return sync_rows(model_dir) + learner_rows(model_dir) + replica_rows(model_dir)
+    rows = sync_rows(model_dir) + learner_rows(model_dir)
+    print_table(rows)  # before the engines start: a failure there loses nothing measured
+    return rows + replica_rows(prepare_smollm2(RunLayout(Path(".dapo")).smollm2))  # vLLM needs its tokenizer
 
 
 if __name__ == "__main__":

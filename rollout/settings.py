@@ -99,7 +99,7 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     lora_serving: LoraServing = Field(
         "auto",
         description="How adapters are served: vllm (vLLM's LoRA layers, swapped in place), merge (merged into this "
-        "replica's copy of the base and loaded like full weights: base speed; measured 2.6x vLLM's LoRA on CPU "
+        "replica's copy of the base and loaded like full weights: base speed; measured 2.6-3.3x vLLM's LoRA on CPU "
         "kernels), auto (vllm on GPUs, merge on CPUs).",
     )
     vllm_eager: bool = Field(True, description="vLLM: no graph compilation (start in ~16 s instead of ~80 s).")

@@ -1,7 +1,7 @@
 """How a vLLM engine serves the learner's LoRA adapter, replaced at each version: `vllm` serving, through vLLM's LoRA
 support (`AdapterSlot`: vLLM's `LoRARequest(load_inplace=True)`, the same adapter id, new weights), or `merge`
 serving (`MergedAdapter`: merged into the replica's copy of the base and loaded like full weights; the default on
-CPUs, where vLLM's LoRA kernels cost 2.6x in tokens/s). The rest of this docstring is about `vllm` serving.
+CPUs, where vLLM's LoRA kernels cost 2.6-3.3x in tokens/s). The rest of this docstring is about `vllm` serving.
 
     slot = AdapterSlot(llm, model_dir, max_rank=32)
     slot.load(info, named_tensors)     # a broadcast round: AdapterInfo from its manifest, tensors in PEFT's names
@@ -55,7 +55,7 @@ def served_rank(rank: int) -> int:
 
 
 def resolve_serving(serving: str) -> str:
-    """auto: vLLM's LoRA layers on GPUs, merged weights on CPUs (where vLLM's LoRA kernels cost 2.6x)."""
+    """auto: vLLM's LoRA layers on GPUs, merged weights on CPUs (where vLLM's LoRA kernels cost 2.6-3.3x)."""
     if serving != "auto":
         return serving
     from vllm.platforms import current_platform
@@ -163,7 +163,7 @@ class MergedAdapter:
     """`merge` serving: the replica merges each version's adapter into its own copy of the base weights, W0 +
     (alpha / r) · B · A in fp32, and loads the result in place like full weights (the same reload, lm_head re-tie,
     prefix-cache and version rules). The network still carries the adapter alone; the engine runs at the base
-    model's speed. Measured on this machine's CPU kernels (docs/results/lora.md): vLLM's LoRA layers cost 2.6x in
+    model's speed. Measured on this machine's CPU kernels (docs/results/lora.md): vLLM's LoRA layers cost 2.6-3.3x in
     tokens/s at rank 32, a merged reload ~0.3 s per version for a 135M model."""
 
     def __init__(self, model_dir: Path, max_rank: int):
