@@ -1,6 +1,7 @@
 """docs/results/lora/lora.png: held-out avg@4 by policy version, and the learner's seconds per batch, for the LoRA
-preset (configs/dapo-lora.toml, seed 1, this page's run) beside the full fine-tuning preset's seed-1 run
-(docs/ablate/dapo-seed1, measured on an earlier machine). Run from the repository root:
+preset (configs/dapo-lora.toml, seed 1, this page's run) beside the full fine-tuning preset on the same machine (9
+steps) and its seed-1 run of the seed table (docs/ablate/dapo-seed1, measured on an earlier machine). Run from the
+repository root:
 
     .venv/bin/python docs/results/lora/figure.py
 """
@@ -19,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path("docs/results/lora")
 RUNS = {
     "LoRA rank 32, lr 2e-4 (fp32, this machine)": HERE / "lora-seed1.metrics.jsonl",
-    "full fine-tuning, lr 2e-5 (bf16, AMX machine)": Path("docs/ablate/dapo-seed1/metrics.jsonl"),
+    "full fine-tuning, lr 2e-5 (fp32, this machine, 9 steps)": HERE / "full-seed1-9steps.metrics.jsonl",
+    "full fine-tuning, lr 2e-5 (bf16, an earlier AMX machine)": Path("docs/ablate/dapo-seed1/metrics.jsonl"),
 }
 
 
