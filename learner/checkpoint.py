@@ -55,9 +55,8 @@ def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2) -> s
     ckpt_dir = run_dir / "checkpoints"
     tag = f"v{state.version:06d}"
     # LoRA: the adapter and its optimizer state only (the frozen base is the model folder, unchanged)
-    frozen = any(not p.requires_grad for p in engine.module.parameters())
     engine.save_checkpoint(
-        str(ckpt_dir), tag=tag, client_state={"dapo": asdict(state)}, exclude_frozen_parameters=frozen
+        str(ckpt_dir), tag=tag, client_state={"dapo": asdict(state)}, exclude_frozen_parameters=has_frozen(engine)
     )
     barrier()  # N ranks: every rank's shard is written before rank 0 names the checkpoint (and acknowledges)
     if engine.global_rank != 0:
@@ -68,6 +67,11 @@ def save(engine: Any, run_dir: Path, state: LearnerState, *, keep: int = 2) -> s
     for old in tags[:-keep]:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
     return tag
+
+
+def has_frozen(engine: Any) -> bool:
+    """Some parameters do not train (LoRA: the base): checkpoints leave them out."""
+    return any(not p.requires_grad for p in engine.module.parameters())
 
 
 def trainable_names(engine: Any) -> list[str]:
@@ -109,8 +113,8 @@ def load(engine: Any, run_dir: Path) -> LearnerState | None:
     if not (ckpt_dir / "latest").exists():
         return None
     check_trainable(engine, ckpt_dir / (ckpt_dir / "latest").read_text().strip())
-    frozen = any(not p.requires_grad for p in engine.module.parameters())  # LoRA: saved without the base
-    path, client_state = engine.load_checkpoint(str(ckpt_dir), load_module_strict=not frozen)
+    # LoRA: saved without the frozen base, so the module's load is not strict (check_trainable is)
+    path, client_state = engine.load_checkpoint(str(ckpt_dir), load_module_strict=not has_frozen(engine))
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint named in {ckpt_dir / 'latest'}")
     state = LearnerState(**client_state["dapo"])

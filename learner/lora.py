@@ -9,7 +9,8 @@ The adapter starts as peft initialises it (lora_B = 0: version 0 is the base mod
 --seed, so that every rank, a replay and a run started again draw the same). DeepSpeed sees only
 the adapter's parameters in the optimizer (fp32 master weights and AdamW state for them alone, bf16 or not); the
 frozen base is cast to the compute dtype with the rest of the module. LoRA dropout acts in training passes only: the
-no-grad log-prob pass (pi_prox) runs the module in eval mode, as the replicas sample without dropout.
+no-grad log-prob pass (pi_prox) switches the dropout modules off (learner/trainer.py), as the replicas sample
+without dropout.
 """
 
 from __future__ import annotations

@@ -211,7 +211,8 @@ class MeshConfig(BaseModel):
         None,
         ge=1,
         description="Train a LoRA adapter of this rank (the learner's --lora-rank; [learner] lora_alpha, lora_targets) "
-        "and serve it on the replicas (vLLM's LoRA, replaced in place each version); unset: full fine-tuning.",
+        "and serve it on the replicas ([rollout] lora_serving: merged or vLLM's LoRA, replaced each version); unset: "
+        "full fine-tuning.",
     )
     reward: RewardSection = Field(default_factory=RewardSection, description="The reward server's settings.")
     buffer: BufferSection = Field(default_factory=BufferSection, description="The buffer's settings.")

@@ -94,17 +94,28 @@ def scratch_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="dapo-adapter-", dir=where))
 
 
-class AdapterSlot:
+class Served:
+    """What both servings check an adapter against: this base model (its parameter shapes and fingerprint) and the
+    replica's --lora-max-rank (services/adapters.py check_adapter)."""
+
+    def __init__(self, model_dir: Path, max_rank: int):
+        self.max_rank = max_rank
+        self.expected = model_specs(model_dir)
+        self.base = fingerprint(model_dir)
+
+    def check(self, info: AdapterInfo, tensors: dict[str, Any]) -> None:
+        check_adapter(info, [(n, tuple(t.shape)) for n, t in tensors.items()], self.expected, self.base, self.max_rank)
+
+
+class AdapterSlot(Served):
     """`vllm` serving: vLLM's LoRA layers apply the adapter at every step (its punica kernels on GPUs)."""
 
     def __init__(self, llm: Any, model_dir: Path, max_rank: int):
-        self.llm, self.max_rank = llm, max_rank
-        self.expected = model_specs(model_dir)
-        self.base = fingerprint(model_dir)
+        super().__init__(model_dir, max_rank)
+        self.llm = llm
         self.folder = scratch_dir()
         weakref.finalize(self, shutil.rmtree, self.folder, True)
         self.request: Any = None  # the LoRARequest every request carries
-        self.info: AdapterInfo | None = None
         self._write(*self.zero_adapter())  # from the start: no request runs without the adapter's id (below)
 
     def zero_adapter(self) -> tuple[AdapterInfo, dict[str, Any]]:
@@ -136,9 +147,6 @@ class AdapterSlot:
         self.check(info, tensors)
         self._write(info, tensors)
 
-    def check(self, info: AdapterInfo, tensors: dict[str, Any]) -> None:
-        check_adapter(info, [(n, tuple(t.shape)) for n, t in tensors.items()], self.expected, self.base, self.max_rank)
-
     def _write(self, info: AdapterInfo, tensors: dict[str, Any]) -> None:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
@@ -156,10 +164,9 @@ class AdapterSlot:
         path = str(self.folder)
         self.llm.llm_engine.add_lora(LoRARequest("policy", ADAPTER_ID, path, load_inplace=True))
         self.request = LoRARequest("policy", ADAPTER_ID, path)
-        self.info = info
 
 
-class MergedAdapter:
+class MergedAdapter(Served):
     """`merge` serving: the replica merges each version's adapter into its own copy of the base weights, W0 +
     (alpha / r) · B · A in fp32, and loads the result in place like full weights (the same reload, lm_head re-tie,
     prefix-cache and version rules). The network still carries the adapter alone; the engine runs at the base
@@ -169,30 +176,26 @@ class MergedAdapter:
     def __init__(self, model_dir: Path, max_rank: int):
         from safetensors.torch import load_file
 
-        self.max_rank = max_rank
-        self.expected = model_specs(model_dir)
-        self.base_print = fingerprint(model_dir)
-        self.base: dict[str, Any] = {}
+        super().__init__(model_dir, max_rank)
+        self.weights: dict[str, Any] = {}  # the base model's own tensors, merged into at each version
         for f in sorted(Path(model_dir).glob("*.safetensors")):
-            self.base.update(load_file(str(f)))
+            self.weights.update(load_file(str(f)))
 
     def merged(self, info: AdapterInfo, named: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Every base weight, the adapted ones merged: checked first (nothing is yielded for a refused adapter)."""
         import torch
 
-        tensors = {name: t for name, t in named}
-        check_adapter(
-            info, [(n, tuple(t.shape)) for n, t in tensors.items()], self.expected, self.base_print, self.max_rank
-        )
+        tensors = dict(named)
+        self.check(info, tensors)
         scale = info.alpha / info.rank
         factors = {module_of(n)[0]: n for n in tensors if n.endswith(".lora_A.weight")}
         merged = {}
         for module, a in factors.items():
             b = a[: -len("lora_A.weight")] + "lora_B.weight"
-            w = self.base[module + ".weight"]
+            w = self.weights[module + ".weight"]
             delta = tensors[b].to(torch.float32) @ tensors[a].to(torch.float32)
             merged[module + ".weight"] = (w.to(torch.float32) + scale * delta).to(w.dtype)
-        return iter([(name, merged.get(name, w)) for name, w in self.base.items()])
+        return iter([(name, merged.get(name, w)) for name, w in self.weights.items()])
 
     def merged_folder(self, folder: Path) -> Iterator[tuple[str, Any]]:
         info, tensors = read_adapter(folder)

@@ -59,7 +59,6 @@ class VllmEngine:
 
         kwargs: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
         lora_serving = cast(LoraServing, resolve_serving(lora_serving))  # auto: vllm on GPUs, merge on CPUs
-        self.lora_serving: LoraServing = lora_serving
         if lora_max_rank and lora_serving == "vllm":  # one adapter, replaced in place each version (engines/lora.py)
             rank = served_rank(lora_max_rank)  # vLLM takes a few values: the smallest that holds the adapter
             kwargs |= {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1, "max_cpu_loras": 1}
@@ -126,13 +125,11 @@ class VllmEngine:
         if self.lora is not None:
             self.lora.load_folder(hf_dir)
         elif self.merger is not None:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.merger.merged_folder(hf_dir)})
-            self.llm.collective_rpc(_retie_lm_head)
+            self._reload(weights_iterator=self.merger.merged_folder(hf_dir))
         elif is_adapter(hf_dir):
             raise ValueError(f"{hf_dir} is a LoRA adapter: start the replica with --lora-max-rank to serve it")
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(hf_dir)})
-            self.llm.collective_rpc(_retie_lm_head)
+            self._reload(weights_path=str(hf_dir))
         self._reloaded(version, keep_running)
 
     def load_tensors(
@@ -151,14 +148,17 @@ class VllmEngine:
         if self.lora is not None and adapter is not None:
             self.lora.load(adapter, named)
         elif self.merger is not None and adapter is not None:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.merger.merged(adapter, named)})
-            self.llm.collective_rpc(_retie_lm_head)
+            self._reload(weights_iterator=self.merger.merged(adapter, named))
         elif adapter is not None:
             raise ValueError("an adapter was sent to an engine without LoRA (start the replica with --lora-max-rank)")
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
-            self.llm.collective_rpc(_retie_lm_head)
+            self._reload(weights_iterator=named)
         self._reloaded(version, keep_running)
+
+    def _reload(self, **source: Any) -> None:
+        """vLLM's in-place reload (`weights_iterator` or `weights_path`), then the tied lm_head re-packed."""
+        self.llm.collective_rpc("reload_weights", kwargs=source)
+        self.llm.collective_rpc(_retie_lm_head)
 
     def _reloaded(self, version: int, keep_running: bool) -> None:
         """Requests in flight (continuous batching, rollout/engines/continuous.py) keep their K/V with `keep_running`;
