@@ -156,9 +156,57 @@ def run(repeats: int = 5) -> list[Result]:
     return results
 
 
+def fanout(counts: tuple[int, ...] = (1, 2, 4, 8, 16), repeats: int = 3) -> list[Result]:
+    """Seconds per round of the same bytes (the bf16 135M model, 269 MB) to 1, 2, 4, ... receivers, each a process
+    running the real WeightReceiver; the limit is the round to one receiver (the ratio is the fan-out's growth)."""
+    from prometheus_client import CollectorRegistry
+
+    from learner.settings import LearnerSettings
+    from learner.weight_sync import WeightSender
+    from services.redis_server import EmbeddedRedis
+    from services.streams import REPLICA_KEY_PREFIX, connect
+
+    rows: list[tuple[int, float]] = []
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    model = _model(torch.bfloat16)
+    mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    model_dir = Path(tempfile.mkdtemp(prefix="dapo-bench-model-"))
+    model.save_pretrained(model_dir)  # the receivers check the manifest against these shapes
+    with EmbeddedRedis(Path(tempfile.mkdtemp(prefix="dapo-bench-"))) as server:
+        client = connect(server.url)
+        sender = WeightSender(LearnerSettings(sync_port=0, sync_timeout_s=300), client, model, CollectorRegistry())
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for n in counts:
+                while len(procs) < n:
+                    name = f"fanout-{len(procs)}"
+                    procs.append(subprocess.Popen([sys.executable, "-m", "bench.weight_sync", "--receiver", name,
+                                                   server.url, str(model_dir)], env=env))  # fmt: skip
+                    while not client.exists(REPLICA_KEY_PREFIX + name):
+                        time.sleep(0.1)
+                sender.publish(0)  # forms the group of n and allocates the receivers' buckets
+                times = []
+                for v in range(1, repeats + 1):
+                    t0 = time.perf_counter()
+                    wv = sender.publish(v)
+                    times.append(time.perf_counter() - t0)
+                    assert len(wv.replicas) == n, wv
+                rows.append((n, statistics.median(times)))
+        finally:
+            sender.close()
+            for p in procs:
+                p.kill()
+                p.wait()
+    one = rows[0][1]
+    return [Result("weight_sync", f"bf16 {mb:.0f} MB → {n} receivers", t, one, "s/sync", "the same round to 1")
+            for n, t in rows]  # fmt: skip
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--receiver":
-        receiver(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 2 and sys.argv[1] == "--fanout":
+        print_table(fanout())
+    elif len(sys.argv) in (4, 5) and sys.argv[1] == "--receiver":
+        receiver(sys.argv[2], sys.argv[3], **({"model_dir": Path(sys.argv[4])} if len(sys.argv) == 5 else {}))
     elif len(sys.argv) == 6 and sys.argv[1] == "--raw":
         raw_receiver(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
     else:

@@ -36,11 +36,13 @@ from services.weight_wire import (
     KEY_SYNC_GROUP,
     KEY_WEIGHTS,
     Manifest,
+    SyncAborted,
     broadcast,
     checksum,
     dtype_of,
     mac,
-    make_group,
+    make_group_until,
+    store_client,
     store_server,
     sync_key,
     total,
@@ -48,6 +50,7 @@ from services.weight_wire import (
 
 log = logging.getLogger(__name__)
 QUARANTINE_MAX_S = 300.0
+ROLL_CALL_S = 0.25  # while members are awaited: one key check per member this often (all of them: every 20 ms)
 
 
 class SyncMetrics:
@@ -63,6 +66,12 @@ class SyncMetrics:
         self.gbps = Gauge("dapo_learner_sync_gbps", "GB/s of the last round (bytes / round seconds).", registry=r)
         self.replicas = Gauge("dapo_learner_sync_replicas", "Replicas in the broadcast group.", registry=r)
         self.rebuilds = Counter("dapo_learner_sync_rebuilds", "Broadcast groups built.", registry=r)
+        self.rebuild_seconds = Histogram(
+            "dapo_learner_sync_rebuild_seconds",
+            "Seconds to rebuild the broadcast group (announce, join window, forming the process group).",
+            registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
         self.timeouts = Counter("dapo_learner_sync_timeouts", "Replicas dropped: no answer in time.", registry=r)
         self.failures = Counter("dapo_learner_sync_failures", "Rounds or rebuilds that failed.", registry=r)
         self.served = Gauge(
@@ -164,9 +173,9 @@ class WeightSender:
 
     def heartbeats(self) -> dict[str, ReplicaHeartbeat]:
         beats: dict[str, ReplicaHeartbeat] = {}
-        for key in self.client.scan_iter(match=REPLICA_KEY_PREFIX + "*", count=100):
-            raw = self.client.get(key)
-            if raw is None:
+        keys = list(self.client.scan_iter(match=REPLICA_KEY_PREFIX + "*", count=1000))
+        for key, raw in zip(keys, self.client.mget(keys) if keys else [], strict=True):  # one round trip, not N
+            if raw is None:  # expired between the scan and the read
                 continue
             try:
                 hb = unpack(raw, ReplicaHeartbeat)
@@ -211,12 +220,16 @@ class WeightSender:
         t0 = time.perf_counter()
         acked: list[str] = []
         sums: list[int] = []
-        for _ in range(2):  # a round broken by a dead member is retried at once without it
+        for _ in range(3):  # a round broken, or a group given up, by a member that left: retried at once without it
             beats = self.live()
             members = sorted(beats)
+            retry = False
             if self.gen is None or members != self.gen.members:
-                self._rebuild(members, beats)
+                with self.m.rebuild_seconds.time():
+                    retry = self._rebuild(members, beats)
             if self.gen is None:
+                if retry:
+                    continue
                 break
             good, sums, retry = self._round(version, beats)
             acked = sorted(set(acked) | set(good))
@@ -242,11 +255,12 @@ class WeightSender:
             self.m.gbps.set(self.manifest.nbytes / seconds / 1e9 if seconds else 0.0)
         return wv
 
-    def _rebuild(self, members: list[str], beats: dict[str, ReplicaHeartbeat]) -> None:
+    def _rebuild(self, members: list[str], beats: dict[str, ReplicaHeartbeat]) -> bool:
+        """Build the group of `members`; True: given up because a member left while it formed (try again now)."""
         self._close()
         if not members:
             self.m.replicas.set(0)
-            return
+            return False
         number = int(self.client.incr(KEY_SYNC_GENERATION))  # type: ignore[arg-type]
         ps: Any = dist.PrefixStore(f"g{number}/", self.store)
         manifest = self.manifest.to_bytes()
@@ -268,19 +282,36 @@ class WeightSender:
         ps.set("roster", msgpack.packb(roster))
         if not roster:
             self.m.replicas.set(0)
-            return
-        try:
-            pg = make_group(dist.PrefixStore("pg/", ps), 0, len(roster) + 1, self.timeout_s, self.device)
+            return False
+        left: list[str] = []
+        gone = self._gone_check(beats)
+
+        def someone_left() -> bool:
+            left[:] = gone(roster)
+            return bool(left)
+
+        # on a connection of its own: a formation given up goes on blocking its connection until the timeout
+        own: Any = dist.PrefixStore(f"g{number}/", store_client(self.s.sync_host, self.port, self.timeout_s))
+        try:  # a member that leaves now would hold everyone else until the timeout: given up at once instead
+            pg = make_group_until(
+                dist.PrefixStore("pg/", own), 0, len(roster) + 1, self.timeout_s, self.device, someone_left
+            )
+        except SyncAborted:
+            log.warning("weight sync: generation %d given up while forming: %s left", number, ", ".join(left))
+            self.m.failures.inc()
+            ps.set("round/0", msgpack.packb({"closed": True}))  # the others stop forming it too
+            return True
         except Exception as e:  # noqa: BLE001 -- torch raises RuntimeError/DistError: drop those who did not connect
             log.warning("weight sync: generation %d did not form: %s", number, e)
             self.m.failures.inc()
             ps.set("round/0", msgpack.packb({"closed": True}))
             self._set_aside([r for r in roster if not ps.check([f"connected/{r}"])], beats)
-            return
+            return False
         self.gen = Generation(number, roster, ps, pg)
         self.m.rebuilds.inc()
         self.m.replicas.set(len(roster))
         log.info("weight sync: generation %d with %s", number, ", ".join(roster))
+        return False
 
     def _round(self, version: int, beats: dict[str, ReplicaHeartbeat]) -> tuple[list[str], list[int], bool]:
         """One version to the current group: (members that verified it, bucket checksums, worth retrying)."""
@@ -353,14 +384,25 @@ class WeightSender:
         waiting = dict(keys)
         arrived: set[str] = set()
         gone = self._gone_check(beats)
-        while waiting and time.monotonic() < deadline:
+        next_roll = 0.0
+
+        def roll_call() -> None:
             for r, k in list(waiting.items()):
                 if store.check([k]):
                     arrived.add(r)
                     del waiting[r]
+
+        while waiting and time.monotonic() < deadline:
+            if store.check(list(waiting.values())):  # all of them: one request, however many members wait
+                arrived |= set(waiting)
+                return arrived
+            if time.monotonic() >= next_roll:  # who has arrived, one request each: every ROLL_CALL_S, not 20 ms
+                roll_call()
+                next_roll = time.monotonic() + ROLL_CALL_S
             for r in gone(list(waiting)):
                 del waiting[r]
             time.sleep(0.02)
+        roll_call()  # the last ones, arrived since the last roll call
         return arrived
 
     def _pack(self, b: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from services.weight_wire import (
     check_mac,
     check_manifest,
     checksum,
-    make_group,
+    make_group_until,
     model_specs,
     store_client,
     sync_key,
@@ -55,6 +55,12 @@ from services.weight_wire import (
 log = logging.getLogger(__name__)
 ROSTER_WAIT = 3  # x the announced timeout: a joined replica's wait for the roster (the learner's join window is 1x)
 Loader = Callable[..., None]  # (named tensors, version, *, adapter: AdapterInfo | None): Engine.load_tensors
+
+
+def closed(store: Any, n: int) -> bool:
+    """The learner closed the generation at round n (the header is there and says so: a round's header that names
+    a version may be there as soon as the group has formed, before this member's own formation has returned)."""
+    return bool(store.check([f"round/{n}"]) and msgpack.unpackb(store.get(f"round/{n}")).get("closed"))
 
 
 @dataclass(frozen=True)
@@ -160,7 +166,16 @@ class WeightReceiver:
         roster = [str(r) for r in msgpack.unpackb(store.get("roster"))]
         if rid not in roster:
             raise SyncAborted("not in the roster")
-        pg = make_group(dist.PrefixStore("pg/", store), roster.index(rid) + 1, len(roster) + 1, timeout, self.device)
+        # the group forms on a connection of its own: one given up goes on blocking its connection until the timeout
+        own: Any = dist.PrefixStore(f"g{ann.generation}/", store_client(ann.host, ann.port, timeout))
+        pg = make_group_until(  # given up if the learner gives the generation up (a member left while it formed)
+            dist.PrefixStore("pg/", own),
+            roster.index(rid) + 1,
+            len(roster) + 1,
+            timeout,
+            self.device,
+            cancelled=lambda: cancelled() or closed(store, 0),
+        )
         store.set(f"connected/{rid}", b"1")
         self.state = "member"
         log.info(

