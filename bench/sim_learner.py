@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
 import signal
@@ -30,7 +29,9 @@ import torch
 from learner.checkpoint import LearnerState
 from mesh.layout import RunLayout
 from services.ledger import append, open_ledger
+from services.logs import configure_logging
 from services.schemas import LedgerEntry, TrainBatch
+from services.settings import ServiceSettings
 from services.snapshots import snapshot_dir, snapshot_folders, write_atomic, write_latest
 from services.streams import GROUP_LEARNER, KEY_POLICY_VERSION, STREAM_BATCHES, StreamConsumer, connect
 
@@ -74,10 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sync-secret", default=None)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("DAPO_LOG_LEVEL", "WARNING"),
-        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
-    )
+    configure_logging("sim-learner", ServiceSettings())  # DAPO_LOG_LEVEL, as the services
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     from safetensors import safe_open

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import random
 import re
 import signal
@@ -34,6 +32,8 @@ from rollout.chunked_loop import ChunkedLoop
 from rollout.engines.base import Completion, SamplingParams, counts
 from rollout.publisher import Generated
 from rollout.replica import Replica
+from services.logs import configure_logging
+from services.settings import ServiceSettings
 from services.streams import Delivery
 
 QUESTION = re.compile(r"reply (\d+) \(pass rate ([0-9.]+)\)")
@@ -191,10 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--churn-every-s", type=float, default=60.0)
     p.add_argument("--stagger-s", type=float, default=0.05, help="between two replicas' starts")
     a = p.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("DAPO_LOG_LEVEL", "WARNING"),
-        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
-    )
+    configure_logging("sim-replicas", ServiceSettings())  # DAPO_LOG_LEVEL, as the services
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     tokenizer, lengths = tiny_tokenizer(), json.loads(a.lengths.read_text())

@@ -103,6 +103,7 @@ class Mesh:
         self.work, self.a, self.n = work, args, n
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.tokens_per_s = 0.0  # each replica's, set at the start
+        self.lengths = recorded_lengths(args.length_scale)  # what the replicas draw from
         self.env = child_env(OMP_NUM_THREADS="1", DAPO_LOG_LEVEL=os.environ.get("DAPO_LOG_LEVEL", "WARNING"))
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
@@ -132,9 +133,8 @@ class Mesh:
                                "--model-dir", str(model), "--step-s", str(a.step_s), "--out",
                                str(work / "learner.json"), *sync])  # fmt: skip
         lengths = work / "lengths.json"
-        lengths.write_text(json.dumps(recorded_lengths(a.length_scale)))
-        mean = statistics.mean(json.loads(lengths.read_text()))
-        self.tokens_per_s = tokens_per_s = a.groups_per_s * G * mean / self.n
+        lengths.write_text(json.dumps(self.lengths))
+        self.tokens_per_s = tokens_per_s = a.groups_per_s * G * statistics.mean(self.lengths) / self.n
         sync = ["--weights-dir", str(work / "run" / "learner" / "hf")] + (["--broadcast"] if a.broadcast else [])
         procs = min(a.procs, self.n)
         for i in range(procs):
@@ -214,10 +214,10 @@ def pickups(
     return out, missed
 
 
-def pickup_bound(a: argparse.Namespace, tokens_per_s: float, rounds: list[dict[str, Any]]) -> float:
+def pickup_bound(mesh: Mesh, rounds: list[dict[str, Any]]) -> float:
     """The documented bound on a version's pickup: a replica loads between engine calls (the chunked loop), so one
     call at the longest drawn length, one read block (1 s) while idle, and the slowest sync round."""
-    call_s = G * max(recorded_lengths(a.length_scale)) / tokens_per_s
+    call_s = G * max(mesh.lengths) / mesh.tokens_per_s
     return call_s + 1.0 + max((r["sync_s"] for r in rounds), default=0.0)
 
 
@@ -248,7 +248,7 @@ def run_n(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     rounds = json.loads((work / "learner.json").read_text())["rounds"]
     replicas = [r for f in sorted(work.glob("replicas-*.json")) for r in json.loads(f.read_text())["replicas"]]
     waits = [w for r in replicas for t, w in r["waits"] if wall0 <= t <= wall1]
-    bound = pickup_bound(a, mesh.tokens_per_s, rounds)
+    bound = pickup_bound(mesh, rounds)
     ups, missed = pickups(rounds, replicas, wall0, wall1, bound)
     in_window = [r for r in rounds if wall0 <= r["announced"] <= wall1]
     groups = after["groups"] - before["groups"]

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,6 +53,19 @@ def receiver(name: str, url: str, **settings: object) -> None:
                               sync_broadcast=True, incarnation=r.incarnation)  # fmt: skip
         client.set(REPLICA_KEY_PREFIX + name, pack(hb), px=5000)
         time.sleep(0.05)
+
+
+def start_receiver(
+    name: str, url: str, env: dict[str, str], client: Any, model_dir: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """A `receiver` process, returned once its heartbeat is in Redis (so the next publish invites it)."""
+    from services.streams import REPLICA_KEY_PREFIX
+
+    extra = [str(model_dir)] if model_dir is not None else []
+    proc = subprocess.Popen([sys.executable, "-m", "bench.weight_sync", "--receiver", name, url, *extra], env=env)
+    while not client.exists(REPLICA_KEY_PREFIX + name):
+        time.sleep(0.1)
+    return proc
 
 
 def raw_receiver(port: int, numel: int, dtype: str, rounds: int) -> None:
@@ -127,11 +141,7 @@ def run(repeats: int = 5) -> list[Result]:
             procs: list[subprocess.Popen[bytes]] = []
             try:
                 for n in (1, 2):
-                    name = f"bench-{n}"
-                    procs.append(subprocess.Popen([sys.executable, "-m", "bench.weight_sync", "--receiver", name,
-                                                   server.url], env=env))  # fmt: skip
-                    while not client.exists(REPLICA_KEY_PREFIX + name):
-                        time.sleep(0.1)
+                    procs.append(start_receiver(f"bench-{n}", server.url, env, client))
                     sender.publish(0)  # forms the group and allocates the receivers' buckets
                     times = []
                     for v in range(1, repeats + 1):
@@ -164,7 +174,7 @@ def fanout(counts: tuple[int, ...] = (1, 2, 4, 8, 16), repeats: int = 3) -> list
     from learner.settings import LearnerSettings
     from learner.weight_sync import WeightSender
     from services.redis_server import EmbeddedRedis
-    from services.streams import REPLICA_KEY_PREFIX, connect
+    from services.streams import connect
 
     rows: list[tuple[int, float]] = []
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -179,11 +189,7 @@ def fanout(counts: tuple[int, ...] = (1, 2, 4, 8, 16), repeats: int = 3) -> list
         try:
             for n in counts:
                 while len(procs) < n:
-                    name = f"fanout-{len(procs)}"
-                    procs.append(subprocess.Popen([sys.executable, "-m", "bench.weight_sync", "--receiver", name,
-                                                   server.url, str(model_dir)], env=env))  # fmt: skip
-                    while not client.exists(REPLICA_KEY_PREFIX + name):
-                        time.sleep(0.1)
+                    procs.append(start_receiver(f"fanout-{len(procs)}", server.url, env, client, model_dir))
                 sender.publish(0)  # forms the group of n and allocates the receivers' buckets
                 times = []
                 for v in range(1, repeats + 1):
