@@ -68,6 +68,19 @@ def start_receiver(
     return proc
 
 
+def round_seconds(sender: Any, n: int, repeats: int) -> float:
+    """Median seconds of `repeats` rounds to the `n` receivers, after one that forms the group and allocates their
+    buckets; every round must reach all n."""
+    sender.publish(0)
+    times = []
+    for v in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        wv = sender.publish(v)
+        times.append(time.perf_counter() - t0)
+        assert len(wv.replicas) == n, wv
+    return statistics.median(times)
+
+
 def raw_receiver(port: int, numel: int, dtype: str, rounds: int) -> None:
     from services.weight_wire import broadcast, dtype_of, make_group, store_client
 
@@ -142,20 +155,14 @@ def run(repeats: int = 5) -> list[Result]:
             try:
                 for n in (1, 2):
                     procs.append(start_receiver(f"bench-{n}", server.url, env, client))
-                    sender.publish(0)  # forms the group and allocates the receivers' buckets
-                    times = []
-                    for v in range(1, repeats + 1):
-                        t0 = time.perf_counter()
-                        wv = sender.publish(v)
-                        times.append(time.perf_counter() - t0)
-                        assert len(wv.replicas) == n, wv
+                    seconds = round_seconds(sender, n, repeats)
                     what = f"{str(dtype).removeprefix('torch.')} {mb:.0f} MB → {n} replica{'s' * (n > 1)}"
-                    results.append(Result("weight_sync", what, statistics.median(times), copy_s, "s/sync",
+                    results.append(Result("weight_sync", what, seconds, copy_s, "s/sync",
                                           "in-process copy_ of the same bytes", "≤ 2.0"))  # fmt: skip
                     if n == 1:
                         numel = sum(p.numel() for p in params)
                         raw = raw_broadcast(numel, dtype, repeats, env)
-                        results.append(Result("weight_sync", what, statistics.median(times), raw, "s/sync",
+                        results.append(Result("weight_sync", what, seconds, raw, "s/sync",
                                               "bare gloo broadcast, same bytes"))  # fmt: skip
             finally:
                 sender.close()
@@ -190,14 +197,7 @@ def fanout(counts: tuple[int, ...] = (1, 2, 4, 8, 16), repeats: int = 3) -> list
             for n in counts:
                 while len(procs) < n:
                     procs.append(start_receiver(f"fanout-{len(procs)}", server.url, env, client, model_dir))
-                sender.publish(0)  # forms the group of n and allocates the receivers' buckets
-                times = []
-                for v in range(1, repeats + 1):
-                    t0 = time.perf_counter()
-                    wv = sender.publish(v)
-                    times.append(time.perf_counter() - t0)
-                    assert len(wv.replicas) == n, wv
-                rows.append((n, statistics.median(times)))
+                rows.append((n, round_seconds(sender, n, repeats)))
         finally:
             sender.close()
             for p in procs:
