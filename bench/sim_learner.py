@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--broadcast", action="store_true")
     p.add_argument("--sync-timeout-s", type=float, default=60.0)
     p.add_argument("--sync-secret", default=None)
+    p.add_argument("--sync-max-members", type=int, default=0, help="the broadcast group's cap (0: none)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     configure_logging("sim-learner", ServiceSettings())  # DAPO_LOG_LEVEL, as the services
@@ -98,7 +99,8 @@ def run(a: argparse.Namespace, module: SimModule, stop: threading.Event) -> dict
     consumer = StreamConsumer(client, STREAM_BATCHES, GROUP_LEARNER, "learner-0", TrainBatch)
     sender, registry = None, CollectorRegistry()
     if a.broadcast:
-        s = LearnerSettings(sync_port=0, sync_timeout_s=a.sync_timeout_s, sync_secret=a.sync_secret)
+        s = LearnerSettings(sync_port=0, sync_timeout_s=a.sync_timeout_s, sync_secret=a.sync_secret,
+                            sync_max_members=a.sync_max_members)  # fmt: skip
         sender = WeightSender(s, client, module, registry)
     state, rounds = LearnerState(), []
     next_step = time.monotonic()

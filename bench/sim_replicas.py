@@ -160,6 +160,7 @@ class SimReplica:
         beat_stop = threading.Event()
         beat = threading.Thread(target=member.heartbeat_forever, args=(beat_stop,), daemon=True)
         beat.start()
+        threading.Thread(target=member.leave_when, args=(self.stop, beat_stop), daemon=True).start()
         if receiver is not None:
             threading.Thread(target=receiver.run, args=(beat_stop,), daemon=True).start()
         try:

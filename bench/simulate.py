@@ -128,7 +128,7 @@ class Mesh:
                      "--prompt-template", "none", "--n-samples", str(G), "--batch-size", str(a.batch_size),
                      "--max-staleness", str(a.max_staleness), "--keep-prompts", "10000000",
                      "--keep-rollouts", "10000000", "--keep-dropped", "10000000")  # fmt: skip
-        sync = ["--broadcast"] if a.broadcast else []
+        sync = ["--broadcast", "--sync-max-members", str(a.sync_max_members)] if a.broadcast else []
         self.spawn("learner", ["bench.sim_learner", "--redis-url", redis_url, "--run-dir", str(work / "run"),
                                "--model-dir", str(model), "--step-s", str(a.step_s), "--out",
                                str(work / "learner.json"), *sync])  # fmt: skip
@@ -267,6 +267,7 @@ def run_n(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "replicas_started": len(replicas),
             "sync_mean_s": statistics.mean([r["sync_s"] for r in in_window]) if in_window else float("nan"),
             "sync_max_s": max((r["sync_s"] for r in in_window), default=float("nan")),
+            "group_max": max((r["replicas"] for r in in_window), default=0),  # members that took a round
             "rebuilds": sum(1 for r in in_window if r["rebuild_s"] > 0),
             "rebuild_max_s": max((r["rebuild_s"] for r in in_window), default=0.0),
             "replica_errors": sorted({r["error"] for r in replicas if r["error"]}),
@@ -307,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--length-scale", type=float, default=1.0, help="× the recorded run's response lengths")
     p.add_argument("--procs", type=int, default=4, help="processes the replicas run in")
     p.add_argument("--broadcast", action="store_true", help="replicas join the broadcast group (else snapshots)")
+    p.add_argument("--sync-max-members", type=int, default=0, help="cap the broadcast group (the rest: snapshots)")
     p.add_argument("--weight-numel", type=int, default=1 << 20, help="fp32 elements of the simulated weights")
     p.add_argument("--churn", type=float, default=0.0, help="fraction of replicas replaced every --churn-every-s")
     p.add_argument("--churn-every-s", type=float, default=60.0)

@@ -128,6 +128,19 @@ class LearnerSettings(ServiceSettings, RedisSettings):
     )
     sync_port: int = Field(29600, ge=0, le=65535, description="Rendezvous port of the weight sync (0: a free port).")
     sync_timeout_s: float = Field(60.0, gt=0, description="A replica that does not answer a sync this long is dropped.")
+    sync_join_s: float = Field(
+        10.0,
+        gt=0,
+        description="Join window: an invited replica that has not joined a new broadcast group this long after the "
+        "announcement is left out of it (set aside, invited again later), so one that cannot join stalls the learner "
+        "this long, not sync_timeout_s. A live replica joins within a second.",
+    )
+    sync_max_members: int = Field(
+        0,
+        ge=0,
+        description="Most replicas in the broadcast group (0: every live one). The others load the learner's HF "
+        "snapshots (they need --weights-dir): a gloo group's formation grows with the square of its members.",
+    )
     sync_bucket_mb: float = Field(64.0, gt=0, description="Size of the flat buckets weights are broadcast in.")
     keep_batches: int = Field(16, ge=0, description="Acknowledged batches kept in dapo:batches after a checkpoint.")
     consumer_name: str = Field("learner-0", description="Consumer name in the batches stream's group.")
@@ -180,6 +193,15 @@ class LearnerSettings(ServiceSettings, RedisSettings):
                 "sequence-level IS): set that"
             )
         return v
+
+    @model_validator(mode="after")
+    def _capped_group_needs_snapshots(self) -> Self:
+        if self.sync_max_members and (self.weight_sync != "broadcast" or not self.hf_export):
+            raise ValueError(
+                "sync_max_members caps the broadcast group: set weight_sync broadcast and keep hf_export on (the "
+                "replicas left out of the group load its HF snapshots)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _dr_grpo_has_a_budget(self) -> Self:

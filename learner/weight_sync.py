@@ -6,7 +6,7 @@
 
 Membership comes from the replicas' heartbeat keys (those with `sync_broadcast`). When it differs from
 the current group's, the group is rebuilt: a new generation is announced in Redis, the candidates that
-join within the timeout get a rank, and a fresh process group is built on our own TCPStore. A round
+join within the join window (`sync_join_s`) get a rank, and a fresh process group is built on our own TCPStore. A round
 announces the version, broadcasts the buckets (gathered first under ZeRO-3), publishes the checksums
 and waits for every member's acknowledgement. A member that does not acknowledge in time (dead,
 stopped, stalled) is dropped and set aside until its heartbeat moves again; the generation is closed
@@ -115,6 +115,15 @@ def zero3_gather(index: list[int], params: list[torch.nn.Parameter]) -> Any:
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
+def capped(live: list[str], members: list[str], cap: int) -> list[str]:
+    """At most `cap` (0: all) of the live replicas, sorted: the group's current members first (a replica joining
+    beyond the cap does not rebuild the group), then by id. The others load the snapshots."""
+    if not cap or len(live) <= cap:
+        return live
+    current = set(members)
+    return sorted(([r for r in live if r in current] + [r for r in live if r not in current])[:cap])
+
+
 class WeightSender:
     def __init__(
         self,
@@ -160,6 +169,7 @@ class WeightSender:
         self.gen: Generation | None = None
         self.quarantine: dict[str, Quarantine] = {}
         self.last_checksum: int | None = None
+        self.beyond_cap = 0  # live replicas left out of the group by sync_max_members (logged when it changes)
         log.info(
             "weight sync: %d parameters in %d buckets (%.1f MB), rendezvous %s:%d",
             len(self.params),
@@ -200,7 +210,14 @@ class WeightSender:
             out[rid] = hb
         return out
 
-    def _set_aside(self, ids: list[str], beats: dict[str, ReplicaHeartbeat]) -> None:
+    def _capped(self, live: list[str]) -> list[str]:
+        chosen = capped(live, self.gen.members if self.gen is not None else [], self.s.sync_max_members)
+        if len(live) - len(chosen) != self.beyond_cap:
+            self.beyond_cap = len(live) - len(chosen)
+            log.info("weight sync: %d live replicas beyond the group's cap take the snapshots", self.beyond_cap)
+        return chosen
+
+    def _set_aside(self, ids: list[str], beats: dict[str, ReplicaHeartbeat], within_s: float | None = None) -> None:
         for rid in ids:
             stamp = beats[rid].timestamp if rid in beats else time.time()
             if rid in self.quarantine:
@@ -208,7 +225,8 @@ class WeightSender:
             else:
                 self.quarantine[rid] = Quarantine(stamp)
         if ids:
-            log.warning("weight sync: dropped %s (no answer within %.0f s)", ", ".join(sorted(ids)), self.timeout_s)
+            waited = self.timeout_s if within_s is None else within_s
+            log.warning("weight sync: dropped %s (gone, or no answer within %.0f s)", ", ".join(sorted(ids)), waited)
             self.m.timeouts.inc(len(ids))
 
     # ------------------------------------------------------------------ rounds
@@ -222,7 +240,7 @@ class WeightSender:
         sums: list[int] = []
         for _ in range(3):  # a round broken, or a group given up, by a member that left: retried at once without it
             beats = self.live()
-            members = sorted(beats)
+            members = self._capped(sorted(beats))
             retry = False
             if self.gen is None or members != self.gen.members:
                 with self.m.rebuild_seconds.time():
@@ -276,8 +294,9 @@ class WeightSender:
             incarnations=invited,
         )
         self.client.set(KEY_SYNC_GROUP, pack(announce))
-        joined = self._await(ps, {r: f"join/{r}" for r in members}, beats)
-        self._set_aside([r for r in members if r not in joined], beats)
+        window = min(self.s.sync_join_s, self.timeout_s)  # not the whole timeout for a replica that cannot join
+        joined = self._await(ps, {r: f"join/{r}" for r in members}, beats, window)
+        self._set_aside([r for r in members if r not in joined], beats, window)
         roster = [r for r in members if r in joined]
         ps.set("roster", msgpack.packb(roster))
         if not roster:
@@ -378,9 +397,12 @@ class WeightSender:
 
         return gone
 
-    def _await(self, store: Any, keys: dict[str, str], beats: dict[str, ReplicaHeartbeat]) -> set[str]:
-        """The members whose key appeared within the timeout; stops waiting early for members that died."""
-        deadline = time.monotonic() + self.timeout_s
+    def _await(
+        self, store: Any, keys: dict[str, str], beats: dict[str, ReplicaHeartbeat], timeout_s: float | None = None
+    ) -> set[str]:
+        """The members whose key appeared within `timeout_s` (the sync timeout); stops waiting early for members that
+        died."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         waiting = dict(keys)
         arrived: set[str] = set()
         gone = self._gone_check(beats)

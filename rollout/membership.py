@@ -4,6 +4,7 @@
     membership.sync_weights()       # a late joiner starts from the newest snapshot ...
     membership.warm_up()            # ... ready once the engine has produced a token
     threading.Thread(target=membership.heartbeat_forever, args=(stop,), daemon=True).start()
+    threading.Thread(target=membership.leave_when, args=(leaving, stop), daemon=True).start()  # SIGTERM: "draining"
     membership.sync_weights()       # in either loop, where weights may change: a verified broadcast round, or a
                                     # newer snapshot (services/snapshots.py)
 
@@ -73,6 +74,19 @@ class Membership:
                 log.warning("heartbeat failed: %s", e)
         self.client.delete(REPLICA_KEY_PREFIX + self.s.replica_id)
 
+    def leave_when(self, leaving: threading.Event, stop: threading.Event) -> None:
+        """Say "draining" in the heartbeat as soon as `leaving` is set (SIGTERM), not when the step in flight has
+        ended: the learner invites only ready replicas into a new broadcast group, and one that joins and then leaves
+        while the group forms makes everyone form it again."""
+        while not stop.is_set():
+            if leaving.wait(0.2):
+                self.state = "draining"
+                try:
+                    self.heartbeat()
+                except (RedisUnavailable, redis.RedisError) as e:
+                    log.warning("heartbeat failed: %s", e)
+                return
+
     def warm_up(self) -> None:
         """Ready means the engine has produced a token."""
         ids = encode_prompt(self.engine.tokenizer, "Hello", self.s.chat_template)
@@ -93,7 +107,8 @@ class Membership:
         newer = self.newer_snapshot()
         if newer is None:
             return False
-        self.state = "syncing"
+        if self.state != "draining":
+            self.state = "syncing"
         t0 = time.perf_counter()
         self.engine.load_weights(newer.path, newer.version)
         announced = time.monotonic() - max(0.0, time.time() - newer.written)

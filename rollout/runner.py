@@ -107,6 +107,7 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
                 target=member.heartbeat_forever, args=(beat_stop,), name="heartbeat", daemon=True
             )
             heartbeat.start()
+            threading.Thread(target=member.leave_when, args=(stop, beat_stop), name="leave", daemon=True).start()
             if receiver is not None:
                 threading.Thread(target=receiver.run, args=(beat_stop,), name="weight-sync", daemon=True).start()
             log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, member.engine.version)

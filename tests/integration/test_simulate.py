@@ -18,13 +18,16 @@ pytestmark = pytest.mark.slow
 def settings(**kw: object) -> argparse.Namespace:
     base = dict(seconds=12.0, warmup_s=12.0, groups_per_s=16.0, batch_size=8, max_staleness=4, step_s=0.5,
                 prompts=500, length_scale=1.0, procs=2, broadcast=True, weight_numel=1 << 16, churn=0.0,
-                churn_every_s=60.0, redis_server=None)  # fmt: skip
+                churn_every_s=60.0, redis_server=None, sync_max_members=0)  # fmt: skip
     return argparse.Namespace(**(base | kw))
 
 
-@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "snapshots"])
-def test_four_simulated_replicas_train_and_every_prompt_is_accounted(tmp_path, broadcast: bool) -> None:
-    row = run_n(4, settings(broadcast=broadcast), tmp_path)
+@pytest.mark.parametrize(
+    ("broadcast", "cap"), [(True, 0), (True, 2), (False, 0)], ids=["broadcast", "broadcast-capped", "snapshots"]
+)
+def test_four_simulated_replicas_train_and_every_prompt_is_accounted(tmp_path, broadcast: bool, cap: int) -> None:
+    """capped: the learner's group holds 2 of the 4 (--sync-max-members); the other 2 must take the snapshots."""
+    row = run_n(4, settings(broadcast=broadcast, sync_max_members=cap), tmp_path)
     assert row["all_alive"] and not row["replica_errors"], row
     assert row["groups"] > 50 and row["versions"] >= 3, row  # groups flowed, batches were trained
     assert row["audit_balanced"] and row["audit_vanished"] == 0 and row["trained_twice"] == 0, row["audit_places"]
@@ -37,6 +40,7 @@ def test_four_simulated_replicas_train_and_every_prompt_is_accounted(tmp_path, b
         assert 0 < row[key] < math.inf, (key, row)
     if broadcast:
         assert row["rebuilds"] == 0, row  # steady membership: the group formed before the window, never again
+        assert row["group_max"] == (cap or 4), row  # every round went to the whole group, and no further
 
 
 def test_churn_replaces_replicas_and_loses_nothing(tmp_path) -> None:

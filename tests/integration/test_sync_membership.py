@@ -1,7 +1,7 @@
 """Weight-sync membership at the edges the control-plane simulation found (docs/results/scale.md): a replica that
-joins a generation and leaves before the group has formed must not hold the learner and everyone else until the
-timeout. The learner (the real WeightSender) and one replica (the real WeightReceiver) are real; the one that leaves
-is scripted, since its leaving at that exact moment is what is under test."""
+joins a generation and leaves before the group has formed, or one that is invited and never joins, must not hold
+the learner and everyone else until the timeout. The learner (the real WeightSender) and one replica (the real
+WeightReceiver) are real; the other is scripted, since its behaviour at that exact moment is what is under test."""
 
 from __future__ import annotations
 
@@ -64,35 +64,110 @@ def leaves(url: str, left: threading.Event) -> None:
         time.sleep(0.05)
 
 
-def test_a_member_that_leaves_while_the_group_forms_does_not_hold_the_others(tmp_path, embedded_redis) -> None:
-    url = embedded_redis.url
+def silent(url: str, invited: threading.Event) -> None:
+    """Alive (its heartbeat asks for the broadcast) and invited, but never joins: a receiver that failed before it
+    could (a store it could not reach, a manifest it refused) looks like this to the learner."""
+    client = connect(url)
+    beat(client, "silent", "scripted")
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and not invited.is_set():
+        raw = client.get(KEY_SYNC_GROUP)
+        if raw and "silent" in unpack(raw, SyncGroup).candidates:
+            invited.set()
+        time.sleep(0.05)
+
+
+def publish_beside(tmp_path: Path, url: str, other, event: threading.Event, **settings):  # type: ignore[no-untyped-def]
+    """Publish version 1 (then 2) with a real receiver ("stays") and the scripted `other` live: (seconds of the
+    first publish, the two WeightVersions, the generations they went out in, the versions "stays" verified)."""
     client = connect(url)
     model_dir = write_model(tmp_path / "model", 4096)
     module = SimModule(4096)
     with torch.no_grad():
         module.w.fill_(1.0)
-    settings = LearnerSettings(sync_port=0, sync_timeout_s=TIMEOUT_S)
-    sender = WeightSender(settings, client, module, CollectorRegistry())
-    stop, left, got = threading.Event(), threading.Event(), []
+    sender = WeightSender(LearnerSettings(sync_port=0, sync_timeout_s=TIMEOUT_S, **settings), client, module,
+                          CollectorRegistry())  # fmt: skip
+    stop, got = threading.Event(), []
     threads = [threading.Thread(target=stays, args=(url, model_dir, stop, got), daemon=True),
-               threading.Thread(target=leaves, args=(url, left), daemon=True)]  # fmt: skip
+               threading.Thread(target=other, args=(url, event), daemon=True)]  # fmt: skip
     for t in threads:
         t.start()
     try:
-        while not (client.exists(REPLICA_KEY_PREFIX + "stays") and client.exists(REPLICA_KEY_PREFIX + "leaves")):
+        name = other.__name__
+        while not (client.exists(REPLICA_KEY_PREFIX + "stays") and client.exists(REPLICA_KEY_PREFIX + name)):
             time.sleep(0.05)
         t0 = time.monotonic()
-        wv = sender.publish(1)
+        first = sender.publish(1)
         seconds = time.monotonic() - t0
-        assert left.is_set()
-        assert wv.replicas == ["stays"], wv  # the generation without the one that left formed at once, and took v1
-        assert seconds < TIMEOUT_S / 2, seconds  # before: the group waited the whole timeout for it, then failed
+        generations = [sender.gen.number if sender.gen else None]
+        second = sender.publish(2)
+        generations.append(sender.gen.number if sender.gen else None)
         deadline = time.monotonic() + 10
-        while 1 not in got and time.monotonic() < deadline:
+        while 2 not in got and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert 1 in got
+        return seconds, (first, second), generations, got
     finally:
         stop.set()
         sender.close()
         for t in threads:
             t.join(10)
+
+
+def test_a_member_that_leaves_while_the_group_forms_does_not_hold_the_others(tmp_path, embedded_redis) -> None:
+    left = threading.Event()
+    seconds, (wv, _), _, got = publish_beside(tmp_path, embedded_redis.url, leaves, left)
+    assert left.is_set()
+    assert wv.replicas == ["stays"], wv  # the generation without the one that left formed at once, and took v1
+    assert seconds < TIMEOUT_S / 2, seconds  # before: the group waited the whole timeout for it, then failed
+    assert got and got[-1] == 2, got  # the replica that stayed serves the newest version
+
+
+def test_an_invited_replica_that_never_joins_holds_the_learner_only_for_the_join_window(
+    tmp_path, embedded_redis
+) -> None:
+    invited = threading.Event()
+    seconds, (v1, v2), generations, got = publish_beside(tmp_path, embedded_redis.url, silent, invited, sync_join_s=2.0)
+    assert invited.is_set()
+    assert v1.replicas == ["stays"] and v2.replicas == ["stays"], (v1, v2)
+    assert seconds < TIMEOUT_S / 2, seconds  # before: the join window was the whole sync timeout
+    assert generations[0] == generations[1]  # set aside until its heartbeat moves: v2 went out without a rebuild
+    assert got and got[-1] == 2, got  # the replica that stayed serves the newest version
+
+
+def test_a_replica_told_to_leave_says_draining_at_once_and_is_not_invited(tmp_path, embedded_redis) -> None:
+    """SIGTERM sets `leaving` while a step may run for many seconds more: the heartbeat must say so at once, or the
+    learner invites it into a group it is about to leave (the simulation's churn: formations given up, rebuilt)."""
+    from bench.sim_replicas import SimEngine
+    from learner.tiny import tiny_tokenizer
+    from rollout.membership import Membership
+
+    url = embedded_redis.url
+    client = connect(url)
+    model_dir = write_model(tmp_path / "model", 4096)
+    s = RolloutSettings(replica_id="goes", redis_url=url, model_dir=model_dir, sync_device="cpu")
+    metrics = RolloutMetrics(CollectorRegistry())
+    member = Membership(s, client, SimEngine(tiny_tokenizer(), 100.0, [8], 0), metrics,  # type: ignore[arg-type]
+                        WeightReceiver(s, client, metrics))  # fmt: skip
+    member.state = "ready"  # what warm_up sets once the engine has produced a token (not under test)
+    member.heartbeat()
+    sender = WeightSender(LearnerSettings(sync_port=0, sync_timeout_s=TIMEOUT_S), client, SimModule(4096),
+                          CollectorRegistry())  # fmt: skip
+    leaving, stop = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=member.heartbeat_forever, args=(stop,), daemon=True),
+               threading.Thread(target=member.leave_when, args=(leaving, stop), daemon=True)]  # fmt: skip
+    for t in threads:
+        t.start()
+    try:
+        assert "goes" in sender.live()
+        leaving.set()  # the step in flight goes on: the heartbeat key stays until it has ended
+        deadline = time.monotonic() + 5  # well under the heartbeat's period (TTL / 3 = 5 s by default)
+        while "goes" in sender.live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "goes" not in sender.live()
+        assert sender.heartbeats()["goes"].state == "draining"  # still there, saying it leaves
+    finally:
+        stop.set()
+        sender.close()
+        for t in threads:
+            t.join(10)
+    assert not client.exists(REPLICA_KEY_PREFIX + "goes")  # gone with the heartbeat thread

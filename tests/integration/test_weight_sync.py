@@ -216,8 +216,8 @@ class SlowJoinWindow(WeightSender):
 
     extra_s = 0.0
 
-    def _await(self, store, keys, beats):  # type: ignore[no-untyped-def]
-        arrived = super()._await(store, keys, beats)
+    def _await(self, store, keys, beats, timeout_s=None):  # type: ignore[no-untyped-def]
+        arrived = super()._await(store, keys, beats, timeout_s)
         if any(k.startswith("join/") for k in keys.values()):
             time.sleep(self.extra_s)
         return arrived
