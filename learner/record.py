@@ -43,6 +43,8 @@ PLACE_FIELDS = (
         "sync_secret",
         "sync_port",
         "sync_timeout_s",
+        "sync_join_s",
+        "sync_max_members",
         "sync_bucket_mb",
         "keep_batches",
         "consumer_name",

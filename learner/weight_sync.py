@@ -50,6 +50,7 @@ from services.weight_wire import (
 
 log = logging.getLogger(__name__)
 QUARANTINE_MAX_S = 300.0
+LAGGING_VERSIONS = 4  # a replica outside a capped group this many versions behind reads no snapshots: warned
 ROLL_CALL_S = 0.25  # while members are awaited: one key check per member this often (all of them: every 20 ms)
 
 
@@ -170,6 +171,7 @@ class WeightSender:
         self.quarantine: dict[str, Quarantine] = {}
         self.last_checksum: int | None = None
         self.beyond_cap = 0  # live replicas left out of the group by sync_max_members (logged when it changes)
+        self.lagging: set[str] = set()  # replicas outside the group that fell behind (warned once each)
         log.info(
             "weight sync: %d parameters in %d buckets (%.1f MB), rendezvous %s:%d",
             len(self.params),
@@ -210,11 +212,23 @@ class WeightSender:
             out[rid] = hb
         return out
 
-    def _capped(self, live: list[str]) -> list[str]:
+    def _capped(self, beats: dict[str, ReplicaHeartbeat], version: int) -> list[str]:
+        live = sorted(beats)
         chosen = capped(live, self.gen.members if self.gen is not None else [], self.s.sync_max_members)
         if len(live) - len(chosen) != self.beyond_cap:
             self.beyond_cap = len(live) - len(chosen)
             log.info("weight sync: %d live replicas beyond the group's cap take the snapshots", self.beyond_cap)
+        for r in set(live) - set(chosen) - self.lagging:
+            if beats[r].weight_version < version - LAGGING_VERSIONS:  # once per replica: it reads no snapshots
+                self.lagging.add(r)
+                log.warning(
+                    "weight sync: %s is outside the broadcast group (sync_max_members %d) and serves version %d of %d:"
+                    " give it --weights-dir on the volume of the learner's HF snapshots",
+                    r,
+                    self.s.sync_max_members,
+                    beats[r].weight_version,
+                    version,
+                )
         return chosen
 
     def _set_aside(self, ids: list[str], beats: dict[str, ReplicaHeartbeat], within_s: float | None = None) -> None:
@@ -226,7 +240,7 @@ class WeightSender:
                 self.quarantine[rid] = Quarantine(stamp)
         if ids:
             waited = self.timeout_s if within_s is None else within_s
-            log.warning("weight sync: dropped %s (gone, or no answer within %.0f s)", ", ".join(sorted(ids)), waited)
+            log.warning("weight sync: dropped %s (gone, or no answer within %g s)", ", ".join(sorted(ids)), waited)
             self.m.timeouts.inc(len(ids))
 
     # ------------------------------------------------------------------ rounds
@@ -240,7 +254,7 @@ class WeightSender:
         sums: list[int] = []
         for _ in range(3):  # a round broken, or a group given up, by a member that left: retried at once without it
             beats = self.live()
-            members = self._capped(sorted(beats))
+            members = self._capped(beats, version)
             retry = False
             if self.gen is None or members != self.gen.members:
                 with self.m.rebuild_seconds.time():

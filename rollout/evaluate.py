@@ -19,7 +19,7 @@ import json
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,10 @@ def load_eval_items(
     return read_items(path)[:size]
 
 
+class EvaluationStopped(Exception):
+    """The evaluation was given up between two engine calls: the process is leaving (SIGTERM)."""
+
+
 def evaluate(
     engine: Engine,
     items: Sequence[Item],
@@ -105,14 +109,19 @@ def evaluate(
     k: int,
     params: SamplingParams,
     chat_template: bool = True,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> tuple[EvalReport, list[EvalSample]]:
-    """k samples per item from the engine's current weights, each scored by the reward server."""
+    """k samples per item from the engine's current weights, each scored by the reward server. `stopped()` is asked
+    before each engine call: true raises EvaluationStopped (a replica told to leave does not finish a long
+    evaluation first)."""
     if not items:
         raise ValueError("no evaluation items")
     t0 = time.perf_counter()
     version = engine.version
     samples: list[EvalSample] = []
     for start in range(0, len(items), PROMPTS_PER_CALL):
+        if stopped():
+            raise EvaluationStopped(f"stopped after {start} of {len(items)} items")
         chunk = items[start : start + PROMPTS_PER_CALL]
         prompts = [encode_prompt(engine.tokenizer, it.prompt, chat_template) for it in chunk]
         # each engine call gets its own seed, from the position of its first item in the whole list

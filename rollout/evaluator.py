@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 
 from rollout.engines.base import Completion, Engine, SamplingParams
-from rollout.evaluate import EvalReport, evaluate, load_eval_items, score_samples, summarize
+from rollout.evaluate import EvalReport, EvaluationStopped, evaluate, load_eval_items, score_samples, summarize
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
 from rollout.settings import RolloutSettings
@@ -43,6 +43,7 @@ class Evaluator:
         self.retry_at = 0.0  # a postponed evaluation waits until then
         self.items: list[Item] | None = None
         self.out = StreamProducer(client, STREAM_EVAL, registry=metrics.registry)
+        self.stopping: Callable[[], bool] = lambda: False  # the runner's stop event: a seeded run ends between calls
 
     def due(self, version: int) -> bool:
         """An evaluation of the weights of this version is to run now."""
@@ -87,10 +88,19 @@ class Evaluator:
             return None
         try:
             report, _ = evaluate(
-                engine, items, self.reward, k=self.s.eval_k, params=self.params(), chat_template=self.s.chat_template
+                engine,
+                items,
+                self.reward,
+                k=self.s.eval_k,
+                params=self.params(),
+                chat_template=self.s.chat_template,
+                stopped=self.stopping,
             )
         except (RewardUnavailable, RewardRejected) as e:
             self.postpone(version, e)
+            return None
+        except EvaluationStopped as e:
+            log.info("held-out evaluation of version %d given up: leaving (%s)", version, e)
             return None
         return self.publish(report)
 

@@ -49,22 +49,25 @@ class Membership:
         self.tokens_per_s = 0.0  # the loop's generation speed, as the heartbeat reports it
         self.checksum: int | None = None  # of the broadcast weights the engine holds (None: from a snapshot)
         self.incarnation = receiver.incarnation if receiver is not None else uuid.uuid4().hex[:12]
+        self.leaving = False  # told to leave: every heartbeat from then on says "draining", whatever `state` says
+        self.beat_lock = threading.Lock()  # three threads beat: one heartbeat built and written at a time, in order
 
     # ---------------------------------------------------------------- the heartbeat
 
     def heartbeat(self) -> None:
-        hb = ReplicaHeartbeat(
-            replica_id=self.s.replica_id,
-            host=self.s.host,
-            port=self.s.port,
-            weight_version=self.engine.version,
-            tokens_per_s=self.tokens_per_s,
-            state=self.state,
-            weight_checksum=self.checksum,
-            sync_broadcast=self.receiver is not None,
-            incarnation=self.incarnation,
-        )
-        self.client.set(REPLICA_KEY_PREFIX + self.s.replica_id, pack(hb), px=int(self.s.heartbeat_ttl_s * 1000))
+        with self.beat_lock:  # a heartbeat built before "draining" must not be written after it
+            hb = ReplicaHeartbeat(
+                replica_id=self.s.replica_id,
+                host=self.s.host,
+                port=self.s.port,
+                weight_version=self.engine.version,
+                tokens_per_s=self.tokens_per_s,
+                state="draining" if self.leaving else self.state,
+                weight_checksum=self.checksum,
+                sync_broadcast=self.receiver is not None,
+                incarnation=self.incarnation,
+            )
+            self.client.set(REPLICA_KEY_PREFIX + self.s.replica_id, pack(hb), px=int(self.s.heartbeat_ttl_s * 1000))
 
     def heartbeat_forever(self, stop: threading.Event) -> None:
         while not stop.wait(self.s.heartbeat_ttl_s / 3):
@@ -80,7 +83,7 @@ class Membership:
         while the group forms makes everyone form it again."""
         while not stop.is_set():
             if leaving.wait(0.2):
-                self.state = "draining"
+                self.leaving, self.state = True, "draining"
                 try:
                     self.heartbeat()
                 except (RedisUnavailable, redis.RedisError) as e:
@@ -107,7 +110,7 @@ class Membership:
         newer = self.newer_snapshot()
         if newer is None:
             return False
-        if self.state != "draining":
+        if self.state == "ready":  # not "starting": a replica is invited once warm, not while it loads its first
             self.state = "syncing"
         t0 = time.perf_counter()
         self.engine.load_weights(newer.path, newer.version)
@@ -128,7 +131,7 @@ class Membership:
         return newest if newest is not None and newest.version > self.engine.version else None
 
     def _loaded(self, version: int, checksum: int | None, source: str, seconds: float, announced: float) -> None:
-        if self.state == "syncing":
+        if self.state == "syncing" and not self.leaving:
             self.state = "ready"
         self.checksum = checksum
         self.m.version.set(version)

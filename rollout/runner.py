@@ -98,6 +98,7 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
             receiver = WeightReceiver(s, proc.client, metrics) if s.sync_broadcast else None
             replica, loop = build(s, proc.client, reward, metrics, receiver)
             member = replica.membership
+            replica.evaluator.stopping = stop.is_set  # SIGTERM ends a seeded evaluation between two engine calls
             proc.ready_when(lambda: (member.state == "ready", member.state))
             member.sync_weights()  # a late joiner starts from the newest snapshot, then joins the next round
             member.warm_up()

@@ -53,7 +53,7 @@ from services.weight_wire import (
 )
 
 log = logging.getLogger(__name__)
-ROSTER_WAIT = 3  # x the announced timeout: a joined replica's wait for the roster (the learner's join window is 1x)
+ROSTER_WAIT = 3  # x the announced timeout: a joined replica's wait for the roster (the join window: at most 1x)
 Loader = Callable[..., None]  # (named tensors, version, *, adapter: AdapterInfo | None): Engine.load_tensors
 
 
@@ -160,8 +160,8 @@ class WeightReceiver:
                 self.buckets = Buckets(manifest, self.device)
                 self.ready = None
         store.set(f"join/{rid}", b"1")
-        # the learner closes the join window up to `timeout` after announcing (longer when a candidate never
-        # answers): a replica that joined at once must wait that long and more, or it leaves a group it is in
+        # the learner closes its join window (sync_join_s, at most `timeout`) after announcing, later on a loaded
+        # machine: a replica that joined at once must wait that long and more, or it leaves a group it is in
         wait_keys(store, ["roster"], ROSTER_WAIT * timeout, cancelled=cancelled, poll_s=0.02)
         roster = [str(r) for r in msgpack.unpackb(store.get("roster"))]
         if rid not in roster:

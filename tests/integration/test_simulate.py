@@ -40,7 +40,7 @@ def test_four_simulated_replicas_train_and_every_prompt_is_accounted(tmp_path, b
         assert 0 < row[key] < math.inf, (key, row)
     if broadcast:
         assert row["rebuilds"] == 0, row  # steady membership: the group formed before the window, never again
-        assert row["group_max"] == (cap or 4), row  # every round went to the whole group, and no further
+        assert row["group_max"] == (cap or 4), row  # the group reached its size (the cap), and no further
 
 
 def test_churn_replaces_replicas_and_loses_nothing(tmp_path) -> None:

@@ -126,7 +126,7 @@ def test_an_invited_replica_that_never_joins_holds_the_learner_only_for_the_join
     tmp_path, embedded_redis
 ) -> None:
     invited = threading.Event()
-    seconds, (v1, v2), generations, got = publish_beside(tmp_path, embedded_redis.url, silent, invited, sync_join_s=2.0)
+    seconds, (v1, v2), generations, got = publish_beside(tmp_path, embedded_redis.url, silent, invited, sync_join_s=5.0)
     assert invited.is_set()
     assert v1.replicas == ["stays"] and v2.replicas == ["stays"], (v1, v2)
     assert seconds < TIMEOUT_S / 2, seconds  # before: the join window was the whole sync timeout
@@ -171,3 +171,28 @@ def test_a_replica_told_to_leave_says_draining_at_once_and_is_not_invited(tmp_pa
         for t in threads:
             t.join(10)
     assert not client.exists(REPLICA_KEY_PREFIX + "goes")  # gone with the heartbeat thread
+
+
+def test_a_replica_loading_its_first_snapshot_is_not_invited_before_it_is_warm(tmp_path, embedded_redis) -> None:
+    """A late joiner loads the newest snapshot before its warm-up and before its receiver runs: it used to say
+    "ready" after that load, and the learner invited a replica that could not join yet."""
+    from bench.sim_learner import snapshot
+    from bench.sim_replicas import SimEngine
+    from learner.tiny import tiny_tokenizer
+    from rollout.membership import Membership
+
+    url = embedded_redis.url
+    client = connect(url)
+    model_dir, hf = write_model(tmp_path / "model", 4096), tmp_path / "hf"
+    snapshot(hf, 3, SimModule(4096))
+    s = RolloutSettings(replica_id="late", redis_url=url, model_dir=model_dir, sync_device="cpu", weights_dir=hf)
+    metrics = RolloutMetrics(CollectorRegistry())
+    engine = SimEngine(tiny_tokenizer(), 100.0, [8], 0)
+    member = Membership(s, client, engine, metrics, WeightReceiver(s, client, metrics))  # type: ignore[arg-type]
+    sender = WeightSender(LearnerSettings(sync_port=0, sync_timeout_s=TIMEOUT_S), client, SimModule(4096),
+                          CollectorRegistry())  # fmt: skip
+    try:
+        assert member.sync_weights() and engine.version == 3  # the snapshot is loaded, and the heartbeat sent
+        assert sender.heartbeats()["late"].state == "starting" and "late" not in sender.live()
+    finally:
+        sender.close()

@@ -48,3 +48,13 @@ def test_settings_keep_what_shapes_an_update_and_no_secret_or_place(tmp_path: Pa
     assert "s3cret" not in text and "redis://" not in text
     assert not {"model_dir", "run_dir", "threads", "port", "zero_stage"} & got.keys()
     assert LearnerSettings.model_validate(got | {"model_dir": tmp_path}).lr == 3e-4  # what replay builds from it
+
+
+def test_a_run_with_a_capped_broadcast_group_replays(tmp_path: Path) -> None:
+    """The weight sync's settings are the run's place, not its updates: replay (weight sync off, no HF export)
+    must not meet a recorded sync_max_members its validator refuses without them."""
+    record_settings(tmp_path, LearnerSettings(sync_max_members=8, sync_join_s=3.0))
+    got = read_settings(batches_dir(tmp_path))
+    assert not {"sync_max_members", "sync_join_s"} & got.keys()
+    replayed = got | {"model_dir": tmp_path, "run_dir": tmp_path, "weight_sync": "none", "hf_export": False}
+    assert LearnerSettings.model_validate(replayed).sync_max_members == 0

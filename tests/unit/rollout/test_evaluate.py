@@ -56,3 +56,44 @@ def test_summarize_wants_exactly_k_samples_of_every_item() -> None:
         summarize(items, [sample(0, 0, True), sample(0, 1, True), sample(1, 0, False)], k=2, version=0)
     with pytest.raises(ValueError, match="exactly 1 samples"):
         summarize(items, [sample(0, 0, True), sample(1, 0, True), sample(2, 0, True)], k=1, version=0)
+
+
+class CountingEngine:
+    """Answers every prompt k times, and counts its calls (the engine is not under test: when `evaluate` stops is)."""
+
+    version = 3
+
+    def __init__(self) -> None:
+        from learner.tiny import tiny_tokenizer
+
+        self.tokenizer, self.calls = tiny_tokenizer(), 0
+
+    def generate(self, prompts, k, params):  # type: ignore[no-untyped-def]
+        from rollout.engines.base import Completion
+
+        self.calls += 1
+        return [[Completion([1, 2], "1", [-0.1, -0.1], "stop") for _ in range(k)] for _ in prompts]
+
+
+class AllRight:
+    def score(self, items):  # type: ignore[no-untyped-def]
+        from services.schemas import ScoreResult
+
+        return [ScoreResult(id=it.id, score=1.0, acc=True) for it in items]
+
+
+def test_a_seeded_evaluation_stops_between_engine_calls_when_told() -> None:
+    """A replica told to leave (SIGTERM) in the middle of a long held-out evaluation must not finish it first: it
+    used to ignore SIGTERM for over 30 s. `stopped()` is asked before every engine call."""
+    from rollout.engines.base import SamplingParams
+    from rollout.evaluate import PROMPTS_PER_CALL, EvaluationStopped, evaluate
+
+    items = [item(i) for i in range(3 * PROMPTS_PER_CALL)]  # three engine calls
+    params = SamplingParams(1.0, 1.0, 8, 1234)
+    engine = CountingEngine()
+    with pytest.raises(EvaluationStopped):
+        evaluate(engine, items, AllRight(), k=2, params=params, stopped=lambda: engine.calls >= 1)  # type: ignore[arg-type]
+    assert engine.calls == 1  # the call in flight ended; the next two never began
+    engine = CountingEngine()
+    report, _ = evaluate(engine, items, AllRight(), k=2, params=params)  # type: ignore[arg-type]
+    assert engine.calls == 3 and report.avg_at_k == 1.0 and report.version == 3
