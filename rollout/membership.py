@@ -69,12 +69,16 @@ class Membership:
             )
             self.client.set(REPLICA_KEY_PREFIX + self.s.replica_id, pack(hb), px=int(self.s.heartbeat_ttl_s * 1000))
 
+    def beat(self) -> None:
+        """`heartbeat()` from a thread that must go on: a Redis error is logged (the next beat tries again)."""
+        try:
+            self.heartbeat()
+        except (RedisUnavailable, redis.RedisError) as e:
+            log.warning("heartbeat failed: %s", e)
+
     def heartbeat_forever(self, stop: threading.Event) -> None:
         while not stop.wait(self.s.heartbeat_ttl_s / 3):
-            try:
-                self.heartbeat()
-            except (RedisUnavailable, redis.RedisError) as e:
-                log.warning("heartbeat failed: %s", e)
+            self.beat()
         self.client.delete(REPLICA_KEY_PREFIX + self.s.replica_id)
 
     def leave_when(self, leaving: threading.Event, stop: threading.Event) -> None:
@@ -84,10 +88,7 @@ class Membership:
         while not stop.is_set():
             if leaving.wait(0.2):
                 self.leaving, self.state = True, "draining"
-                try:
-                    self.heartbeat()
-                except (RedisUnavailable, redis.RedisError) as e:
-                    log.warning("heartbeat failed: %s", e)
+                self.beat()
                 return
 
     def warm_up(self) -> None:
@@ -138,7 +139,4 @@ class Membership:
         self.m.weight_load_seconds.observe(seconds)
         self.m.weight_serve_seconds.observe(time.monotonic() - announced)
         log.info("serving weights version %d (%s), loaded in %.2f s", version, source, seconds)
-        try:
-            self.heartbeat()  # the learner and the buffer see the new version now, not a TTL/3 later
-        except (RedisUnavailable, redis.RedisError) as e:
-            log.warning("heartbeat failed: %s", e)
+        self.beat()  # the learner and the buffer see the new version now, not a TTL/3 later
