@@ -101,5 +101,25 @@ def test_buffer_http_survives_generated_requests(tmp_path: Path, redis_url: str)
     assert stats["cases"] >= 300 and stats["5xx"] == 0  # parameterless GETs: few distinct cases exist
 
 
+ENV_BUDGET = {("POST", "/v1/episodes"): 400, ("POST", "/v1/episodes/{episode_id}/step"): 400,
+              ("DELETE", "/v1/episodes/{episode_id}"): 100, ("GET", "/v1/envs"): 100}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_env_server_survives_1000_generated_requests(tmp_path: Path) -> None:
+    """Resets with generated tasks and seeds, steps with generated messages and turns (to ids that exist or
+    not), deletes: every answer is a 2xx or a 4xx."""
+    with running("env_server", "--auth-token", TOKEN, "--api-docs", ready_path="/readyz", token=TOKEN,
+                 log=tmp_path / "env.log") as (base, proc):  # fmt: skip
+        for seed in range(20):  # episodes the generated steps can hit (schemathesis draws ids it likes, too)
+            httpx.post(f"{base}/v1/episodes", json={"env": "calculator", "seed": seed, "episode_id": f"e{seed}"},
+                       headers=HEADERS, timeout=10).raise_for_status()  # fmt: skip
+        stats = fuzz(base, ENV_BUDGET)
+        assert proc.poll() is None
+    print(f"environment service fuzz: {dict(stats)}")
+    assert stats["cases"] >= 1_000 and stats["5xx"] == 0
+    assert stats["2xx"] > 200 and stats["4xx"] > 200
+
+
 if __name__ == "__main__":  # the reward server test's second process: the invalid half, stats as JSON
     print(json.dumps(fuzz(sys.argv[1], REWARD_BUDGET, modes=(GenerationMode.NEGATIVE,))))

@@ -1,0 +1,28 @@
+"""Settings of the environment service (env DAPO_*, or --flags)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from services.settings import ServiceSettings
+
+
+class EnvSettings(ServiceSettings):
+    port: int = Field(8005, ge=0, le=65535, description="HTTP port.")
+    workers: int = Field(
+        8, ge=1, le=1024, description="Threads running environment code (resets, steps, tools) at the same time."
+    )
+    step_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Time one reset or step may take; beyond, the episode ends with an error."
+    )
+    queue_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="Time a request waits for a free worker; beyond, 429 with Retry-After."
+    )
+    max_open_episodes: int = Field(4096, ge=1, description="Episodes held at once (429 with Retry-After beyond).")
+    episode_ttl_s: float = Field(
+        600.0, gt=0, description="An episode untouched this long is dropped (counted as expired)."
+    )
+    env_classes: list[str] = Field(
+        default_factory=list,
+        description="More environments to serve, as module:Class (an env_server.base.Environment subclass each).",
+    )

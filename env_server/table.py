@@ -1,0 +1,152 @@
+"""The episodes a service holds, and the bounded worker threads their environment code runs in.
+
+Each request that runs environment code first takes one of `workers` slots (waiting at most `queue_timeout_s`:
+then `Busy`, a 429), then runs in a thread for at most `step_timeout_s`. A thread still running at its timeout
+is abandoned (Python cannot stop it) but keeps its slot until it returns: the service never runs more than
+`workers` threads of environment code, and /readyz says when every slot is held by a stuck one. Steps of one
+episode run one at a time (a lock per episode); a sweeper drops episodes idle longer than `episode_ttl_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from env_server.base import Environment
+from env_server.metrics import EnvMetrics
+from env_server.settings import EnvSettings
+from services.episodes import ResetResponse, StepResponse
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Busy(Exception):
+    """No worker was free within the queue timeout."""
+
+
+@dataclass
+class Episode:
+    id: str
+    env: Environment
+    key: str  # what the reset asked (services.episodes.ResetRequest.key)
+    opening: ResetResponse
+    state: Any
+    turn: int = 0
+    last: StepResponse | None = None
+    touched: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def done(self) -> bool:
+        return self.last is not None and self.last.done
+
+
+class Workers:
+    def __init__(self, n: int, queue_timeout_s: float, timeout_s: float, metrics: EnvMetrics):
+        self.n, self.queue_timeout_s, self.timeout_s, self.metrics = n, queue_timeout_s, timeout_s, metrics
+        self._pool = ThreadPoolExecutor(n, thread_name_prefix="env")
+        self._slots = asyncio.Semaphore(n)
+        self.held = 0
+        self.stuck = 0
+        metrics.workers_stuck.set_function(lambda: self.stuck)
+
+    async def call(self, env: str, kind: str, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a worker thread; `Busy` when none frees up in time, TimeoutError past the timeout."""
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
+        except TimeoutError:
+            raise Busy(f"all {self.n} environment workers stayed busy for {self.queue_timeout_s:g} s") from None
+        loop, t0, late = asyncio.get_running_loop(), time.perf_counter(), [False]
+        self.held += 1
+
+        def release(_: Future[T]) -> None:  # in the worker thread, when the code returns (even long after)
+            loop.call_soon_threadsafe(self._free, late[0])
+
+        future = self._pool.submit(fn, *args)
+        future.add_done_callback(release)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except TimeoutError:
+            late[0] = True
+            self.stuck += 1
+            self.metrics.timeouts.labels(env).inc()
+            log.warning("%s %s of %s ran past %g s: the episode ends with an error", kind, fn.__name__, env,
+                        self.timeout_s)  # fmt: skip
+            raise
+        finally:
+            self.metrics.step_seconds.labels(env, kind).observe(time.perf_counter() - t0)
+
+    def _free(self, was_late: bool) -> None:
+        self.held -= 1
+        if was_late:
+            self.stuck -= 1
+        self._slots.release()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class EpisodeTable:
+    def __init__(self, settings: EnvSettings, metrics: EnvMetrics):
+        self.settings, self.metrics = settings, metrics
+        self.episodes: dict[str, Episode] = {}
+        metrics.episodes_open.set_function(lambda: len(self.episodes))
+
+    def get(self, episode_id: str) -> Episode | None:
+        ep = self.episodes.get(episode_id)
+        if ep is not None:
+            ep.touched = time.monotonic()
+        return ep
+
+    def full(self) -> bool:
+        return len(self.episodes) >= self.settings.max_open_episodes
+
+    def add(self, ep: Episode) -> None:
+        self.episodes[ep.id] = ep
+
+    def end(self, ep: Episode, outcome: str | None = None) -> None:
+        """Count a finished episode (its outcome from its last step unless given)."""
+        last = ep.last
+        if outcome is None:
+            assert last is not None and last.done
+            if last.error:
+                outcome = "error"
+            elif last.truncated:
+                outcome = "truncated"
+            else:
+                outcome = "success" if (last.reward or 0) > 0 else "failure"
+        self.metrics.episodes.labels(ep.env.name, outcome).inc()
+        if ep.turn:
+            self.metrics.turns.labels(ep.env.name).observe(ep.turn)
+
+    def close(self, episode_id: str) -> Episode | None:
+        ep = self.episodes.pop(episode_id, None)
+        if ep is not None and not ep.done:
+            self.end(ep, "closed")
+        return ep
+
+    def sweep(self) -> int:
+        """Drop the episodes idle past the TTL (a done one is kept as long, for retried steps); how many."""
+        cutoff = time.monotonic() - self.settings.episode_ttl_s
+        old = [ep for ep in self.episodes.values() if ep.touched < cutoff and not ep.lock.locked()]
+        for ep in old:
+            del self.episodes[ep.id]
+            if not ep.done:
+                self.end(ep, "expired")
+        if old:
+            log.info("dropped %d episodes idle for over %g s", len(old), self.settings.episode_ttl_s)
+        return len(old)
+
+    async def sweep_forever(self) -> None:
+        period = min(self.settings.episode_ttl_s / 4, 5.0)
+        while True:
+            await asyncio.sleep(period)
+            with contextlib.suppress(Exception):
+                self.sweep()

@@ -1,0 +1,38 @@
+"""Environments loaded into the environment service by the tests (--env-classes tests.integration.env_plugins:X):
+one that hangs in its step, one that raises. What they stand for: a user's environment with a bug."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from env_server.base import Environment, Outcome, user
+from services.episodes import ChatMessage
+
+
+class _Plain(Environment):
+    def draw(self, seed: int) -> dict[str, Any]:
+        return {"seed": seed}
+
+    def check(self, task: dict[str, Any]) -> dict[str, Any]:
+        return dict(task)
+
+    def start(self, task: dict[str, Any]) -> tuple[list[ChatMessage], Any]:
+        return [user("Say anything.")], task
+
+
+class Sleepy(_Plain):
+    """Takes `seconds` (from the task, default 3) to answer a step."""
+
+    name = "sleepy"
+
+    def answer(self, state: Any, text: str, turn: int) -> Outcome:
+        time.sleep(float(state.get("seconds", 3)))
+        return Outcome(reward=1.0, done=True)
+
+
+class Broken(_Plain):
+    name = "broken"
+
+    def answer(self, state: Any, text: str, turn: int) -> Outcome:
+        raise RuntimeError("a bug in the environment")

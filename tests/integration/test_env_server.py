@@ -1,0 +1,185 @@
+"""The environment service over real HTTP (a real uvicorn process): the dapo-env/1 protocol checked by the
+conformance checker against it and against a third-party server written from the docs alone; the built-in
+environments' episodes, tool calls good and bad; an environment that hangs or raises ends its episode, not the
+service; capacity (429 + Retry-After) and idle expiry; metrics."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from env_server.conformance import Checker
+from services.child_process import ROOT, child_env, running
+from services.episodes import ResetResponse, StepResponse
+from services.tool_calls import render_call
+from tests.integration.third_party_env import serve
+
+TOKEN = "env-token-0123456789"
+PLUGINS = "tests.integration.env_plugins:Sleepy,tests.integration.env_plugins:Broken"
+
+
+@pytest.fixture(scope="module")
+def env_url() -> Iterator[str]:
+    args = ("--workers", "2", "--auth-token", TOKEN, "--env-classes", PLUGINS, "--step-timeout-s", "1",
+            "--queue-timeout-s", "0.5")  # fmt: skip
+    with running("env_server", *args, ready_path="/readyz", token=TOKEN) as (base, _):
+        yield base
+
+
+@pytest.fixture
+def http(env_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=env_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
+        yield c
+
+
+def reset(http: httpx.Client, env: str, **kw: object) -> ResetResponse:
+    r = http.post("/v1/episodes", json={"env": env, **kw})
+    assert r.status_code == 200, r.text
+    return ResetResponse.model_validate(r.json())
+
+
+def step(http: httpx.Client, eid: str, turn: int, content: str) -> StepResponse:
+    r = http.post(f"/v1/episodes/{eid}/step", json={"turn": turn, "message": {"role": "assistant", "content": content}})
+    assert r.status_code == 200, r.text
+    return StepResponse.model_validate(r.json())
+
+
+def test_the_built_in_service_passes_the_conformance_checker(env_url: str) -> None:
+    report = Checker(env_url, TOKEN).run(["calculator", "retry"])  # not the tests' broken ones
+    assert report.ok, report.failed
+    for env in ("calculator", "retry"):
+        assert f"{env}: steps until done within max_turns; a retried step answers the same" in report.passed
+    assert "calculator: bad tool calls come back to the model, counted" in report.passed
+    assert "a request without the token is 401" in report.passed
+    cli = subprocess.run([sys.executable, "-m", "env_server.conformance", env_url, "--token", TOKEN, "--env", "retry"],
+                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert cli.returncode == 0 and " 0 failed" in cli.stdout, cli.stdout + cli.stderr
+
+
+def test_a_third_party_server_from_the_docs_passes_and_a_broken_one_does_not() -> None:
+    with serve() as url:
+        report = Checker(url).run()
+    assert report.ok, report.failed
+    assert len(report.passed) >= 9
+    with serve(bug="retry") as url:
+        report = Checker(url).run()
+    assert any("a retried step answered" in f or "expected 200, got 409" in f for f in report.failed), report.failed
+    with serve(bug="endless") as url:
+        report = Checker(url).run()
+    assert any("not done after max_turns" in f for f in report.failed), report.failed
+
+
+def test_calculator_a_tool_call_then_the_answer(http: httpx.Client) -> None:
+    opening = reset(http, "calculator", task={"expression": "417 * 38 + 123"})
+    assert opening.messages[0].role == "system" and "<tool_call>" in opening.messages[0].content
+    assert opening.messages[-1].content == "What is 417 * 38 + 123?"
+    assert [t.function.name for t in opening.tools] == ["calculator"]
+    out = step(
+        http, opening.episode_id, 1, "Let me compute. " + render_call("calculator", {"expression": "417*38+123"})
+    )
+    assert not out.done and out.tools.valid == 1 and out.reward is None
+    assert out.messages[0].role == "tool" and out.messages[0].content == "15969"
+    assert out.messages[0].name == "calculator" and out.messages[0].tool_call_id == "call_1_0"
+    out = step(http, opening.episode_id, 2, "Answer: 15969")
+    assert out.done and out.reward == 1.0 and not out.truncated
+
+    wrong = reset(http, "calculator", task={"expression": "417 * 38 + 123"})
+    out = step(http, wrong.episode_id, 1, "Answer: 15968")
+    assert out.done and out.reward == -1.0
+
+
+def test_calculator_tool_errors_reach_the_model_and_turns_run_out(http: httpx.Client) -> None:
+    eid = reset(http, "calculator", seed=7).episode_id
+    out = step(http, eid, 1, render_call("calculator", {"expression": "__import__('os').system('id')"}))
+    assert out.tools.failed == 1 and "error: calculator failed" in out.messages[0].content and not out.done
+    out = step(http, eid, 2, render_call("calculator", {"expr": "1+1"}))  # wrong argument name
+    assert out.tools.failed == 1 and "unexpected keyword" in out.messages[0].content
+    out = step(http, eid, 3, render_call("calculator", {"expression": "1+1"}) + render_call("web_search", {}))
+    assert (out.tools.valid, out.tools.unknown) == (1, 1) and len(out.messages) == 2
+    out = step(http, eid, 4, render_call("calculator", {"expression": "2+2"}))
+    assert out.done and out.truncated and out.reward == -1.0  # max_turns = 4, still calling tools
+
+
+def test_retry_feedback_until_right_or_out_of_attempts(http: httpx.Client) -> None:
+    eid = reset(http, "retry", task={"expression": "47 + 86 - 39"}).episode_id
+    out = step(http, eid, 1, "Answer: 100")
+    assert not out.done and out.messages[0].role == "user" and "not right" in out.messages[0].content
+    out = step(http, eid, 2, "Sorry, it is 94. Answer: 94")
+    assert out.done and out.reward == 1.0 and out.info["attempts"] == 2
+    eid = reset(http, "retry", task={"expression": "47 + 86 - 39"}).episode_id
+    outs = [step(http, eid, t, "Answer: 1") for t in (1, 2, 3)]
+    assert [o.done for o in outs] == [False, False, True] and outs[-1].reward == -1.0 and not outs[-1].truncated
+
+
+def test_a_task_that_is_not_one_is_422_with_the_reason(http: httpx.Client) -> None:
+    r = http.post("/v1/episodes", json={"env": "calculator", "task": {"expression": "open('/etc/passwd')"}})
+    assert r.status_code == 422 and "expression" in r.text
+    r = http.post("/v1/episodes", json={"env": "calculator", "task": {"expression": "1 +"}})
+    assert r.status_code == 422 and "not an arithmetic expression" in r.text
+    r = http.post("/v1/episodes", json={"env": "retry", "seed": 1, "task": {"expression": "1"}})
+    assert r.status_code == 422 and "exactly one of" in r.text
+
+
+def test_an_environment_that_hangs_or_raises_ends_its_episode_not_the_service(http: httpx.Client) -> None:
+    eid = reset(http, "sleepy", task={"seconds": 3}).episode_id
+    t0 = time.monotonic()
+    out = step(http, eid, 1, "hello")
+    assert out.done and out.error and "took over 1 s" in out.error and time.monotonic() - t0 < 2.5
+    ready = http.get("/readyz").json()
+    assert "(1 stuck)" in ready["detail"]  # its thread still sleeps, holding one of the 2 workers
+    assert http.get("/metrics").text.count('dapo_env_timeouts_total{env="sleepy"} 1.0') == 1
+    # the other worker still serves; a third request finds none free within the queue timeout -> 429
+    blocker, waiting = reset(http, "sleepy", task={"seconds": 0.8}).episode_id, reset(http, "retry", seed=1).episode_id
+    with httpx.Client(base_url=str(http.base_url), headers=http.headers, timeout=30) as other:
+        t = threading.Thread(target=step, args=(other, blocker, 1, "x"))
+        t.start()
+        time.sleep(0.2)
+        body = {"turn": 1, "message": {"role": "assistant", "content": "1"}}
+        r = http.post(f"/v1/episodes/{waiting}/step", json=body)
+        t.join()
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1", r.text
+    assert http.post(f"/v1/episodes/{waiting}/step", json=body).status_code == 200  # the turn was not used up
+    out = step(http, reset(http, "broken", seed=1).episode_id, 1, "hello")
+    assert out.done and out.error and "RuntimeError: a bug in the environment" in out.error
+    time.sleep(2)  # the sleeper returns: its worker is free again
+    assert "(0 stuck)" in http.get("/readyz").json()["detail"]
+    assert step(http, reset(http, "retry", task={"expression": "1 + 1"}).episode_id, 1, "2").reward == 1.0
+
+
+def test_capacity_and_idle_expiry() -> None:
+    args = ("--max-open-episodes", "2", "--episode-ttl-s", "1")
+    with running("env_server", *args, ready_path="/readyz") as (base, _), httpx.Client(base_url=base) as http:
+        a, _b = reset(http, "retry", seed=1), reset(http, "retry", seed=2)
+        r = http.post("/v1/episodes", json={"env": "retry", "seed": 3})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1" and "2 episodes are open" in r.text
+        assert reset(http, "retry", seed=1, episode_id=a.episode_id) == a  # a retried reset is not refused
+        time.sleep(1.8)  # idle past the TTL; the sweeper runs every TTL/4
+        r = http.post(
+            f"/v1/episodes/{a.episode_id}/step", json={"turn": 1, "message": {"role": "assistant", "content": "1"}}
+        )
+        assert r.status_code == 404 and "idle past 1 s" in r.text
+        reset(http, "retry", seed=3)  # room again
+        metrics = http.get("/metrics").text
+        assert 'dapo_env_episodes_total{env="retry",outcome="expired"} 2.0' in metrics
+        assert "dapo_env_episodes_open 1.0" in metrics
+
+
+def test_metrics_count_episodes_turns_and_tool_calls(http: httpx.Client) -> None:
+    eid = reset(http, "calculator", task={"expression": "2 * 3 + 4"}).episode_id
+    step(http, eid, 1, "<tool_call>{oops</tool_call>")
+    step(http, eid, 2, render_call("calculator", {"expression": "2*3+4"}))
+    step(http, eid, 3, "Answer: 10")
+    m = http.get("/metrics").text
+    for line in ('dapo_env_tool_calls_total{env="calculator",outcome="malformed"}',
+                 'dapo_env_tool_calls_total{env="calculator",outcome="valid"}',
+                 'dapo_env_episodes_total{env="calculator",outcome="success"}',
+                 'dapo_env_episode_turns_bucket{env="calculator",le="3.0"}',
+                 'dapo_env_step_latency_seconds_count{env="calculator",kind="step"}',
+                 'dapo_env_requests_total{route="/v1/episodes/{episode_id}/step",status="200"}'):  # fmt: skip
+        assert line in m, line

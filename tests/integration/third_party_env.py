@@ -1,0 +1,118 @@
+"""A third-party environment server, written from docs/services/environments.md alone: the standard library's
+HTTP server and JSON, nothing of dapo-mesh. One environment, `guess` (a number from 1 to 5, three tries, told
+higher or lower). `bug` makes it break one rule of the protocol, to show the conformance checker notices.
+
+    with serve(bug=None) as url: ...
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+SPEC = {"name": "guess", "description": "Guess a number from 1 to 5.", "tools": [], "tool_format": "none",
+        "max_turns": 3}  # fmt: skip
+
+
+class Handler(BaseHTTPRequestHandler):
+    episodes: dict[str, dict[str, Any]]
+    bug: str | None
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+    def _send(self, code: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> Any:
+        try:
+            return json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+        except ValueError:
+            return None
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/envs":
+            return self._send(200, {"protocol": "dapo-env/1", "envs": [SPEC]})
+        self._send(404, {"detail": "not found"})
+
+    def do_DELETE(self) -> None:
+        m = re.fullmatch(r"/v1/episodes/([^/]+)", self.path)
+        if m and self.episodes.pop(m.group(1), None) is not None:
+            return self._send(200, {"episode_id": m.group(1), "closed": True})
+        self._send(404, {"detail": "no such episode"})
+
+    def do_POST(self) -> None:
+        body = self._body()
+        if self.path == "/v1/episodes":
+            return self._reset(body)
+        m = re.fullmatch(r"/v1/episodes/([^/]+)/step", self.path)
+        if m:
+            return self._step(m.group(1), body)
+        self._send(404, {"detail": "not found"})
+
+    def _reset(self, body: Any) -> None:
+        if not isinstance(body, dict) or ("seed" in body) == ("task" in body):
+            return self._send(422, {"detail": "give exactly one of seed and task"})
+        if body.get("env") != "guess":
+            return self._send(404, {"detail": f"no environment {body.get('env')!r}"})
+        eid = body.get("episode_id") or f"ep{random.getrandbits(64):x}"
+        key = json.dumps([body.get("seed"), body.get("task")])
+        if eid in self.episodes:
+            ep = self.episodes[eid]
+            return self._send(200, ep["opening"]) if ep["key"] == key else self._send(409, {"detail": "in use"})
+        secret = random.Random(body.get("seed", 0)).randint(1, 5)
+        opening = {"episode_id": eid, "env": "guess", "task_id": f"secret-{secret}", "tools": [], "max_turns": 3,
+                   "messages": [{"role": "user", "content": "Guess my number from 1 to 5."}]}  # fmt: skip
+        self.episodes[eid] = {"key": key, "opening": opening, "secret": secret, "turn": 0, "last": None}
+        self._send(200, opening)
+
+    def _step(self, eid: str, body: Any) -> None:
+        msg = body.get("message") if isinstance(body, dict) else None
+        if not isinstance(msg, dict) or msg.get("role") != "assistant" or not isinstance(body.get("turn"), int):
+            return self._send(422, {"detail": "a step is {turn: int, message: {role: assistant, content}}"})
+        ep = self.episodes.get(eid)
+        if ep is None:
+            return self._send(404, {"detail": "no such episode"})
+        turn = body["turn"]
+        if ep["last"] is not None and turn == ep["turn"] and self.bug != "retry":
+            return self._send(200, ep["last"])
+        if ep["last"] is not None and ep["last"]["done"]:
+            return self._send(409, {"detail": "done"})
+        if turn != ep["turn"] + 1:
+            return self._send(409, {"detail": f"the next turn is {ep['turn'] + 1}"})
+        ep["turn"], ep["last"] = turn, self._judge(ep, str(msg.get("content", "")), turn)
+        self._send(200, ep["last"])
+
+    def _judge(self, ep: dict[str, Any], text: str, turn: int) -> dict[str, Any]:
+        numbers = re.findall(r"\d+", text)
+        guess = int(numbers[-1]) if numbers else 0
+        if guess == ep["secret"]:
+            return {"messages": [], "reward": 1.0, "done": True}
+        if turn >= 3 and self.bug != "endless":
+            return {"messages": [], "reward": -1.0, "done": True, "truncated": True}
+        hint = "higher" if guess < ep["secret"] else "lower"
+        return {"messages": [{"role": "user", "content": f"No, {hint}. (try {turn + 1})"}], "done": False}
+
+
+@contextmanager
+def serve(bug: str | None = None) -> Iterator[str]:
+    handler = type("H", (Handler,), {"episodes": {}, "bug": bug})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
