@@ -1,7 +1,8 @@
 """TrainBatch -> padded tensors, and the mini-/micro-batch split.
 
 Each sample becomes one row: prompt token ids then response token ids, right-padded. Everything
-is aligned with `input_ids` positions: `response_mask[i, t]` is 1 where token t is a response token,
+is aligned with `input_ids` positions: `response_mask[i, t]` is 1 where token t is a response token the model
+sampled (an episode's environment turns sit in the response as context, with 0: no loss, no log-prob),
 `behaviour_logp[i, t]` is the rollout's log-prob of that token (see loss.token_logprobs).
 """
 
@@ -54,7 +55,7 @@ class BatchTensors:
 
 def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None) -> BatchTensors:
     """`tokenize` is used only for prompts that arrive as text without token ids."""
-    rows: list[tuple[list[int], list[int], list[float], list[int]]] = []
+    rows: list[tuple[list[int], list[int], list[float], list[int], list[int]]] = []
     rewards, groups, truncated, temps = [], [], [], []
     for gi, group in enumerate(batch.groups):
         task = group.task
@@ -65,24 +66,25 @@ def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None)
         else:
             raise ValueError(f"group {task.task_id}: no prompt_token_ids and no tokenizer to make them")
         for sample, score in zip(group.samples, group.scores, strict=True):
-            rows.append((prompt, sample.response_token_ids.tolist(), sample.logprobs.tolist(), sample.token_versions()))
+            response = sample.response_token_ids.tolist()
+            rows.append((prompt, response, sample.logprobs.tolist(), sample.token_versions(), sample.loss_mask()))
             rewards.append(score.reward)
             groups.append(gi)
             truncated.append(sample.truncated)
             temps.append(sample.temperature if sample.temperature > 0 else 1.0)
-    width = max(len(p) + len(r) for p, r, _, _ in rows)
+    width = max(len(p) + len(r) for p, r, _, _, _ in rows)
     n = len(rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
     response = torch.zeros((n, width), dtype=torch.float32)
     behaviour = torch.zeros((n, width), dtype=torch.float32)
     versions = torch.zeros((n, width), dtype=torch.long)
-    for i, (p, r, lp, vs) in enumerate(rows):
+    for i, (p, r, lp, vs, mask) in enumerate(rows):
         end = len(p) + len(r)
         input_ids[i, :end] = torch.tensor(p + r, dtype=torch.long)
         attention[i, :end] = 1
-        response[i, len(p) : end] = 1.0
-        behaviour[i, len(p) : end] = torch.tensor(lp, dtype=torch.float32)
+        response[i, len(p) : end] = torch.tensor(mask, dtype=torch.float32)
+        behaviour[i, len(p) : end] = torch.tensor(lp, dtype=torch.float32) * response[i, len(p) : end]
         versions[i, len(p) : end] = torch.tensor(vs, dtype=torch.long)
     return BatchTensors(
         input_ids,

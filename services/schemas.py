@@ -56,15 +56,26 @@ class PromptTask(Message):
         return self
 
 
+class Turn(BaseModel):
+    """A stretch of an episode's response: `tokens` tokens written by the model (sampled) or the environment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["model", "env"]
+    tokens: int = Field(ge=1)
+
+
 class Sample(Message):
     """One sampled response, with the behaviour log-prob of every response token and how it was sampled.
 
     Schema 2 added `temperature` and `top_p`; a schema-1 sample (without them) reads as sampled at 1.0 and 1.0.
     Schema 3 added `version_runs`, the policy version of every token (continuous batching loads weights while
     sequences are in flight, rollout/engines/continuous.py); a sample without them was sampled by `policy_version`
-    alone."""
+    alone. Schema 4 added `turns`: an episode's response is its model turns as sampled and the environment's turns
+    as rendered between them (services/episodes.py), and only the model's tokens are in the loss; a sample
+    without turns is one model turn."""
 
-    schema_version: Literal[1, 2, 3] = 3  # type: ignore[assignment]
+    schema_version: Literal[1, 2, 3, 4] = 4  # type: ignore[assignment]
     response_token_ids: TokenIds
     response_text: str
     logprobs: LogProbs = Field(
@@ -82,6 +93,19 @@ class Sample(Message):
         description="The version that sampled each token, as run-lengths [[version, tokens], ...] in token "
         "order, versions increasing, the first = policy_version; None: every token by policy_version.",
     )
+    turns: list[Turn] | None = Field(
+        None,
+        max_length=4096,
+        description="The episode's turns in token order, covering every response token: the model's (sampled: "
+        "log-probs, versions, in the loss) and the environment's (rendered by the chat template: out of the loss, "
+        "log-prob 0); None: one model turn.",
+    )
+
+    def loss_mask(self) -> list[int]:
+        """1 for each response token the model sampled, 0 for each the environment wrote."""
+        if not self.turns:
+            return [1] * len(self.response_token_ids)
+        return [int(t.role == "model") for t in self.turns for _ in range(t.tokens)]
 
     @property
     def truncated(self) -> bool:
@@ -109,6 +133,11 @@ class Sample(Message):
             raise ValueError(
                 f"logprobs: {len(self.logprobs)} log-probs for "
                 f"{len(self.response_token_ids)} response tokens; they must match one to one"
+            )
+        if self.turns is not None and sum(t.tokens for t in self.turns) != len(self.response_token_ids):
+            raise ValueError(
+                f"turns: {sum(t.tokens for t in self.turns)} tokens in turns for {len(self.response_token_ids)} "
+                "response tokens; the turns must cover the response exactly"
             )
         runs = self.version_runs
         if runs is None:

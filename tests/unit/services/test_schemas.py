@@ -151,8 +151,8 @@ def test_a_schema_1_sample_still_reads() -> None:
     assert (old.schema_version, old.temperature, old.top_p) == (1, 1.0, 1.0)
     two = decode({b"type": b"Sample", b"data": msgpack.packb(body | {"schema_version": 2})}, Sample)
     assert two.version_runs is None and two.token_versions() == [two.policy_version] * len(two.response_token_ids)
-    with pytest.raises(DecodeError, match="schema_version 4 is not 1, 2 or 3"):
-        decode({b"type": b"Sample", b"data": msgpack.packb(body | {"schema_version": 4})}, Sample)
+    with pytest.raises(DecodeError, match="schema_version 5 is not 1, 2, 3 or 4"):
+        decode({b"type": b"Sample", b"data": msgpack.packb(body | {"schema_version": 5})}, Sample)
 
 
 def test_version_runs_give_every_token_its_version() -> None:
@@ -204,3 +204,20 @@ def test_digests_see_content_not_ids() -> None:
     assert decode(encode(b), TrainBatch).digest() == b.digest()
     assert TrainBatch.assemble(7, [g, example_group(3)]).digest() != b.digest()
     assert TrainBatch.assemble(8, b.groups).digest() == b.digest()  # the id is not part of it
+
+
+def test_an_episode_sample_carries_its_turns_and_the_mask_follows() -> None:
+    """Schema 4: an episode's response is model and environment turns; the mask is 1 on the model's tokens only.
+    A sample without turns (schema 3 and before) is one model turn."""
+    base = example_group(0, n_tokens=9).samples[0]
+    assert base.turns is None and base.loss_mask() == [1] * 9
+    three = decode({b"type": b"Sample", b"data": msgpack.packb(base.model_dump() | {"schema_version": 3})}, Sample)
+    assert three.turns is None and three.loss_mask() == [1] * 9
+    turns = [{"role": "model", "tokens": 3}, {"role": "env", "tokens": 2}, {"role": "model", "tokens": 4}]
+    ep = Sample.model_validate(base.model_dump() | {"turns": turns})
+    assert ep.loss_mask() == [1, 1, 1, 0, 0, 1, 1, 1, 1]
+    assert decode({b"type": b"Sample", b"data": msgpack.packb(ep.model_dump())}, Sample) == ep
+    with pytest.raises(ValueError, match="the turns must cover the response exactly"):
+        Sample.model_validate(base.model_dump() | {"turns": turns[:2]})
+    with pytest.raises(ValueError, match="role"):
+        Sample.model_validate(base.model_dump() | {"turns": [{"role": "tool", "tokens": 9}]})
