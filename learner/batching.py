@@ -66,8 +66,8 @@ def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None)
         else:
             raise ValueError(f"group {task.task_id}: no prompt_token_ids and no tokenizer to make them")
         for sample, score in zip(group.samples, group.scores, strict=True):
-            response = sample.response_token_ids.tolist()
-            rows.append((prompt, response, sample.logprobs.tolist(), sample.token_versions(), sample.loss_mask()))
+            ids = sample.response_token_ids.tolist()
+            rows.append((prompt, ids, sample.logprobs.tolist(), sample.token_versions(), sample.loss_mask()))
             rewards.append(score.reward)
             groups.append(gi)
             truncated.append(sample.truncated)
