@@ -13,7 +13,7 @@ dapo-mesh replay          # retrain a recorded run's batches, to compare weights
 dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
 dapo-mesh merge           # a LoRA snapshot + its base model -> an HF folder loadable without LoRA
 dapo-mesh redis           # run the embedded Redis in the foreground
-dapo-mesh reward | buffer | learner | rollout ...   # one service, same flags as `python -m <its package>`
+dapo-mesh reward | env | buffer | learner | rollout ...   # one service, same flags as `python -m <its package>`
 """
 
 from __future__ import annotations
@@ -141,9 +141,17 @@ def _passthrough(name: str, module: str, what: str) -> None:
     app.command(name, context_settings=passthrough)(command)
 
 
-SERVICES = {"reward": "the reward server", "learner": "the learner", "buffer": "the buffer", "rollout": "a replica"}
+SERVICES = {
+    "reward": "the reward server",
+    "env": "the environment service",
+    "learner": "the learner",
+    "buffer": "the buffer",
+    "rollout": "a replica",
+}
+# `dapo-mesh up` starts the services of MODULES; the environment service is run on its own (compose, Kubernetes)
+PACKAGES = MODULES | {"env": "env_server"}
 for _name, _what in SERVICES.items():
-    _passthrough(_name, MODULES[_name], _what)
+    _passthrough(_name, PACKAGES[_name], _what)
 
 
 @app.command()

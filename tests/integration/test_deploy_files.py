@@ -33,6 +33,7 @@ needs = {tool: pytest.mark.skipif(shutil.which(tool) is None and not os.environ.
 def exported_metrics() -> set[str]:
     """Every sample name the services can export (counters as *_total, histograms as *_bucket/_sum/_count)."""
     from buffer.metrics import BufferMetrics
+    from env_server.metrics import EnvMetrics
     from learner.metrics import LearnerMetrics
     from learner.weight_sync import SyncMetrics
     from reward_server.scoring import RewardMetrics
@@ -40,7 +41,7 @@ def exported_metrics() -> set[str]:
     from services.streams import StreamMetrics
 
     registry = CollectorRegistry()
-    for cls in (LearnerMetrics, SyncMetrics, RewardMetrics, RolloutMetrics, BufferMetrics, StreamMetrics):
+    for cls in (LearnerMetrics, SyncMetrics, RewardMetrics, RolloutMetrics, BufferMetrics, StreamMetrics, EnvMetrics):
         cls(registry)
     names = set()
     for family in registry.collect():
@@ -68,9 +69,18 @@ def test_dashboard_and_alerts_use_only_exported_metrics() -> None:
         unknown = referenced(text) - known
         assert not unknown, f"{where} references metrics no service exports: {sorted(unknown)}"
     # the dashboard covers the mesh end to end: every service's metrics appear
-    prefixes = ("dapo_reward_", "dapo_buffer_", "dapo_rollout_", "dapo_learner_", "dapo_learner_sync_", "dapo_eval_")
+    prefixes = ("dapo_reward_", "dapo_env_", "dapo_buffer_", "dapo_rollout_", "dapo_learner_", "dapo_learner_sync_",
+                "dapo_eval_")  # fmt: skip
     for prefix in prefixes:
         assert any(m.startswith(prefix) for m in referenced("\n".join(exprs))), prefix
+    # Grafana lays the panels out as written: none may cover another
+    cells: dict[tuple[int, int], str] = {}
+    for p in dashboard["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        for cell in ((x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])):
+            assert cell not in cells, f"{p['title']!r} overlaps {cells[cell]!r}"
+            cells[cell] = p["title"]
 
 
 def test_referenced_finds_names() -> None:  # the check above must be able to fail
@@ -78,6 +88,8 @@ def test_referenced_finds_names() -> None:  # the check above must be able to fa
 
 
 # ---------------------------------------------------------------------------------------- compose
+
+SCRAPED = {"reward-server": 8001, "env-server": 8005, "learner": 8002, "buffer": 8003, "rollout": 8004}  # HTTP ports
 
 
 def compose() -> dict[str, Any]:
@@ -97,7 +109,7 @@ def test_compose_file_is_valid_compose_spec() -> None:
 def test_compose_references_and_health() -> None:
     c = compose()
     services, volumes, secrets = c["services"], set(c["volumes"]), set(c["secrets"])
-    expected = {"redis", "reward-server", "buffer", "rollout", "learner", "prometheus", "grafana"}
+    expected = {"redis", "reward-server", "env-server", "buffer", "rollout", "learner", "prometheus", "grafana"}
     assert expected <= set(services)
     for name, svc in services.items():
         for dep, cond in svc.get("depends_on", {}).items():
@@ -114,7 +126,7 @@ def test_compose_references_and_health() -> None:
     rollout = services["rollout"]
     assert "container_name" not in rollout and "ports" not in rollout  # `--scale rollout=N` needs both absent
     assert "--appendfsync always" in " ".join(services["redis"]["command"])  # what "loses nothing" was measured with
-    for svc in ("reward-server", "buffer", "learner", "rollout"):
+    for svc in SCRAPED:
         env = services[svc]["environment"]
         assert env["DAPO_AUTH_TOKEN"].startswith("${DAPO_AUTH_TOKEN:?"), "the token must be required, not defaulted"
     packages = re.search(r"^include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
@@ -228,6 +240,9 @@ CRD_SCHEMAS: dict[str, dict[str, Any]] = {
 REDIS_STREAMS_KEYS = {"address", "host", "port", "stream", "consumerGroup", "pendingEntriesCount", "lagCount",
                       "activationLagCount", "streamLength", "databaseIndex", "enableTLS", "usernameFromEnv",
                       "passwordFromEnv"}  # fmt: skip
+# and of the prometheus trigger
+PROMETHEUS_KEYS = {"serverAddress", "query", "queryParameters", "threshold", "activationThreshold", "namespace",
+                   "customHeaders", "ignoreNullValues", "unsafeSsl", "timeout", "authModes"}  # fmt: skip
 
 
 def build(overlay: str) -> list[dict[str, Any]]:
@@ -253,8 +268,8 @@ def test_kustomize_overlay_is_valid(overlay: str) -> None:
             continue
         kubernetes_validate.validate(d, "1.31", strict=True)  # raises ValidationError / SchemaNotFoundError
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
-    for kind, name in (("Deployment", "reward-server"), ("Deployment", "buffer"), ("Deployment", "rollout"),
-                       ("StatefulSet", "learner"), ("StatefulSet", "redis")):  # fmt: skip
+    for kind, name in (("Deployment", "reward-server"), ("Deployment", "env-server"), ("Deployment", "buffer"),
+                       ("Deployment", "rollout"), ("StatefulSet", "learner"), ("StatefulSet", "redis")):  # fmt: skip
         pod = by[(kind, name)]["spec"]["template"]["spec"]
         c = pod["containers"][0]
         assert "readinessProbe" in c and "livenessProbe" in c, name
@@ -267,6 +282,23 @@ def test_kustomize_overlay_is_valid(overlay: str) -> None:
     # KEDA's operator runs in its own namespace: the address must name ours
     namespace = by[("Service", "redis")]["metadata"]["namespace"]
     assert trigger["metadata"]["address"] == f"redis-0.redis.{namespace}.svc.cluster.local:6379"
+    # the environment service: headless (episodes live in one pod's memory: clients pin each to a pod address),
+    # scaled on the open episodes of this namespace's pods
+    assert by[("Service", "env-server")]["spec"]["clusterIP"] == "None"
+    env_scaler = by[("ScaledObject", "env-server")]["spec"]
+    assert env_scaler["scaleTargetRef"]["name"] == "env-server" and ("Deployment", "env-server") in by
+    (trigger,) = env_scaler["triggers"]
+    assert trigger["type"] == "prometheus" and set(trigger["metadata"]) <= PROMETHEUS_KEYS
+    assert trigger["metadata"]["query"] == f'sum(dapo_env_episodes_open{{namespace="{namespace}",job="env-server"}})'
+    assert not referenced(trigger["metadata"]["query"]) - exported_metrics()
+    assert float(trigger["metadata"]["threshold"]) > 0
+    # Prometheus scrapes every mesh pod with an HTTP port (the PodMonitor's job label is the pod's name label)
+    monitor = by[("PodMonitor", "dapo-mesh")]["spec"]
+    for (kind, name), d in by.items():
+        if kind in ("Deployment", "StatefulSet") and name != "redis":
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            assert selects(monitor["selector"], labels), f"the PodMonitor does not scrape {name}"
+            assert any(p["name"] == "http" for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]), name
     # the alerts for the Prometheus Operator are the shipped rules, exactly
     rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
     assert by[("PrometheusRule", "dapo-mesh")]["spec"]["groups"] == rules["groups"]
@@ -349,6 +381,12 @@ def test_pods_are_locked_down(overlay: str) -> None:
     )
     assert not allowed(policies, pod("reward-server"), pod("learner"), 29600)
     assert not allowed(policies, pod("buffer"), pod("learner"), 8002)
+    assert allowed(policies, pod("rollout"), pod("env-server"), 8005)  # the environment service
+    assert not allowed(policies, pod("rollout"), pod("env-server"), 8001)
+    for other in ("buffer", "learner", "reward-server"):
+        assert not allowed(policies, pod(other), pod("env-server"), 8005), other
+    assert not allowed(policies, pod("env-server"), pod("redis"), 6379)  # it never uses Redis
+    assert not allowed(policies, pod("env-server"), pod("learner"), 29600)
 
 
 @needs["kubectl"]
@@ -389,7 +427,47 @@ def test_crd_schemas_catch_mistakes() -> None:  # the explicit CRD checks above 
         jsonschema.validate(scaled, CRD_SCHEMAS["keda.sh/v1alpha1/ScaledObject"])
 
 
+@needs["kubectl"]
+def test_the_hpa_component_is_valid(tmp_path: Path) -> None:
+    """components/hpa (the alternative to KEDA, in no overlay): the base with it builds and validates, and each
+    HPA scales a Deployment of the base."""
+    import kubernetes_validate
+
+    k8s = DEPLOY / "k8s"
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(k8s / "base", tmp_path)],
+        "components": [os.path.relpath(k8s / "components" / "hpa", tmp_path)]}))  # fmt: skip
+    out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    hpas = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    assert {h["metadata"]["name"] for h in hpas} == {"rollout", "env-server"}
+    deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
+    for h in hpas:
+        kubernetes_validate.validate(h, "1.31", strict=True)
+        assert h["spec"]["scaleTargetRef"]["name"] in deployments
+
+
 # ---------------------------------------------------------------------------------------- prometheus
+
+
+def test_compose_prometheus_scrapes_every_service_and_alerts_when_one_is_down() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(SCRAPED) <= set(jobs)
+    for name, port in SCRAPED.items():
+        job = jobs[name]
+        targets = [t for s in job.get("static_configs", []) for t in s["targets"]]
+        targets += [f"{n}:{d['port']}" for d in job.get("dns_sd_configs", []) for n in d["names"]]
+        assert targets == [f"{name}:{port}"], (name, targets)
+        assert job["authorization"]["credentials_file"] == "/run/secrets/dapo_auth_token"
+        command = compose()["services"][name]["command"]
+        assert command[command.index("--port") + 1] == str(port), name
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
+    down = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "DapoServiceDown")
+    jobs_regex = re.search(r'job=~"([^"]+)"', down["expr"])
+    assert jobs_regex and set(jobs_regex.group(1).split("|")) == set(SCRAPED)
 
 
 @needs["promtool"]
