@@ -41,6 +41,7 @@ from services.settings import secret_fields  # noqa: E402
 # (anchor, title, module, class, how it runs): the services' settings, in the order of the data path
 SERVICES = [
     ("reward_server", "Reward server", "reward_server.settings", "RewardSettings", "python -m reward_server"),
+    ("env_server", "Environment service", "env_server.settings", "EnvSettings", "python -m env_server"),
     ("buffer", "Buffer", "buffer.settings", "BufferSettings", "python -m buffer"),
     ("rollout", "Rollout replica", "rollout.settings", "RolloutSettings", "python -m rollout"),
     ("learner", "Learner", "learner.settings", "LearnerSettings", "python -m learner"),

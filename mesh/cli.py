@@ -148,10 +148,8 @@ SERVICES = {
     "buffer": "the buffer",
     "rollout": "a replica",
 }
-# `dapo-mesh up` starts the services of MODULES; the environment service is run on its own (compose, Kubernetes)
-PACKAGES = MODULES | {"env": "env_server"}
 for _name, _what in SERVICES.items():
-    _passthrough(_name, PACKAGES[_name], _what)
+    _passthrough(_name, MODULES[_name], _what)
 
 
 @app.command()

@@ -25,7 +25,13 @@ from mesh.config import MeshConfig, Service, to_flags
 from mesh.layout import RunLayout
 from services.redis_server import free_port
 
-MODULES = {"reward": "reward_server", "buffer": "buffer", "learner": "learner", "rollout": "rollout"}
+MODULES = {
+    "reward": "reward_server",
+    "env": "env_server",
+    "buffer": "buffer",
+    "learner": "learner",
+    "rollout": "rollout",
+}
 SYNC_PORT = "sync"  # the learner's weight-sync rendezvous, in the ports mapping beside the services' HTTP ports
 
 
