@@ -4,7 +4,9 @@
 Per step: load newer weights if any; if groups are held for a reward outage, score them again once backed off
 (reading nothing new meanwhile, the held prompts kept alive); else run the held-out evaluation if one is due
 (seeded, in calls of its own), read up to `prompts_per_call` PromptTasks, generate G samples of each in one engine
-call, and hand them to the publisher (score, publish, acknowledge: rollout/publisher.py).
+call, and hand them to the publisher (score, publish, acknowledge: rollout/publisher.py). Environment tasks among
+them run as episodes turn by turn (rollout/episode_runner.py): every live episode's turn in one engine call, then
+every environment step of the round.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import time
 
 from rollout.engines.base import Engine
+from rollout.episode_runner import EpisodeRunner, env_task, run_turn_by_turn
 from rollout.publisher import Generated
 from rollout.replica import Replica
 from services.schemas import PromptTask
@@ -21,6 +24,7 @@ from services.streams import Delivery
 class ChunkedLoop:
     def __init__(self, replica: Replica, engine: Engine):
         self.r, self.engine, self.m = replica, engine, replica.metrics
+        self._episodes: EpisodeRunner | None = None
 
     def step(self) -> int:
         r = self.r
@@ -33,9 +37,30 @@ class ChunkedLoop:
             return r.publisher.retry_held()
         r.evaluator.run_seeded(self.engine)
         deliveries = r.consumer.read(count=r.s.prompts_per_call, block_ms=1000)
-        if not deliveries:
-            return 0
-        return r.publisher.publish(self.generate(deliveries))
+        plain: list[Delivery[PromptTask]] = []
+        episodes: list[Delivery[PromptTask]] = []
+        for d in deliveries:
+            try:
+                (episodes if env_task(d.message) else plain).append(d)
+            except ValueError as e:  # a malformed environment task
+                r.consumer.dead_letter([d], "env_task_invalid", str(e)[:500])
+        published = self.run_episodes(episodes) if episodes else 0
+        return published + (r.publisher.publish(self.generate(plain)) if plain else 0)
+
+    def run_episodes(self, deliveries: list[Delivery[PromptTask]]) -> int:
+        """The environment tasks' episodes, turn by turn, to their end; their groups published."""
+        if self._episodes is None:
+            self._episodes = EpisodeRunner(self.r.s, self.engine.tokenizer, self.m)
+        runner = self._episodes
+        for d in deliveries:
+            runner.start(d, self.r.call_params([d.message]))
+        run_turn_by_turn(self.engine, runner)
+        for d, why in runner.take_failed():
+            self.r.consumer.dead_letter([d], "env_failed", why)
+        tok = self.engine.tokenizer
+        return self.r.publisher.publish_episodes(
+            runner.take_finished(), lambda ids: tok.decode(ids, skip_special_tokens=False)
+        )
 
     def generate(self, deliveries: list[Delivery[PromptTask]]) -> Generated:
         tasks = [d.message for d in deliveries]

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rollout.engines.base import Completion, ContinuousBatching, RequestRefused, encode_prompt
+from rollout.episode_runner import EpisodeRunner, env_task
 from rollout.metrics import RolloutMetrics
 from rollout.publisher import Generated
 from rollout.replica import Replica
@@ -58,12 +59,23 @@ class ContinuousLoop:
         self.group_size = 1  # samples per prompt, as the last prompt asked: how many prompts fit
         self.idle = True  # no sequence ran in the last engine step
         self.window = IdleWindow(self.m)
+        self._episodes: EpisodeRunner | None = None  # made at the first environment task
+
+    @property
+    def episodes(self) -> EpisodeRunner:
+        if self._episodes is None:
+            self._episodes = EpisodeRunner(self.r.s, self.engine.tokenizer, self.m)
+        return self._episodes
+
+    def _episodes_pending(self) -> int:
+        return self._episodes.pending() if self._episodes is not None else 0
 
     def step(self) -> int:
         self.r.membership.tokens_per_s = self.window.account(self.idle)
         self.sync_weights()
-        published = self.publish_finished()
+        published = self.publish_finished() + self.publish_episodes()
         self.admit(wait=not published)
+        self.advance_episodes()
         self.advance_evaluation()
         self.idle = not self.engine.in_flight()  # then nothing runs until the next call (a read waited instead)
         for key, outs in self.engine.step():
@@ -75,6 +87,8 @@ class ContinuousLoop:
         """Leave: the sequences in flight are dropped; their prompts stay pending for another replica."""
         self.engine.abort()
         self.flight.clear()
+        if self._episodes is not None:
+            self._episodes.close()
 
     def sync_weights(self) -> None:
         """keep/recompute: load now, sequences in flight; drain: stop admitting, load when none is in flight."""
@@ -98,15 +112,19 @@ class ContinuousLoop:
                 time.sleep(0.1)  # held for a reward outage, nothing to step: no busy loop
             return
         count = (r.s.max_in_flight - self.engine.in_flight()) // self.group_size
+        if self._episodes is not None:  # episodes waiting for their environment are not in the engine
+            count = min(count, (r.s.max_episodes - self._episodes.pending()) // self.group_size)
         if count < 1:
             r.consumer.keep_alive()  # the prompts in flight stay ours
             return
-        idle = wait and not self.engine.in_flight()
+        idle = wait and not self.engine.in_flight() and not self._episodes_pending()
         for d in r.consumer.read(count=count, block_ms=1000 if idle else 0):
             task = d.message
             key = f"t/{d.entry_id}"
-            if key in self.flight:
+            if key in self.flight or (self._episodes is not None and self._episodes.holds(d.entry_id)):
                 continue  # our own entry again (a replay after a restart of the consumer): it is in flight
+            if self._start_episodes(d):
+                continue
             prompt = r.prompt_ids(task, self.engine.tokenizer)
             try:
                 self.engine.submit(key, prompt, task.n_samples, r.call_params([task]))
@@ -117,13 +135,58 @@ class ContinuousLoop:
             self.flight[key] = (d, prompt)
             self.group_size = max(1, task.n_samples)
 
+    def _start_episodes(self, d: Delivery[PromptTask]) -> bool:
+        """An environment task's G episodes begun (True); False: a single-turn prompt. A malformed one is
+        dead-lettered (True)."""
+        try:
+            spec = env_task(d.message)
+        except ValueError as e:
+            log.error("prompt %s dead-lettered: %s", d.message.task_id, e)
+            self.r.consumer.dead_letter([d], "env_task_invalid", str(e)[:500])
+            return True
+        if spec is None:
+            return False
+        self.episodes.start(d, self.r.call_params([d.message]))
+        self.group_size = max(1, d.message.n_samples)
+        return True
+
+    def advance_episodes(self) -> None:
+        """Environment answers in, model turns submitted; with nothing in the engine, a short wait for the
+        environment instead of a busy loop."""
+        if self._episodes is None or not self._episodes.pending():
+            return
+        self._episodes.advance(self.engine)
+        self.m.in_flight.set(self.engine.in_flight())
+        if not self.engine.in_flight() and not self._episodes.ready:
+            self._episodes.wait(0.05)
+
+    def publish_episodes(self) -> int:
+        """Finished episode groups published; groups whose environment failed past the retries dead-lettered."""
+        if self._episodes is None:
+            return 0
+        for d, why in self._episodes.take_failed():
+            log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
+            self.r.consumer.dead_letter([d], "env_failed", why)
+        done = self._episodes.take_finished()
+        if not done:
+            return 0
+        tok = self.engine.tokenizer
+        return self.r.publisher.publish_episodes(done, lambda ids: tok.decode(ids, skip_special_tokens=False))
+
     def _finished(self, key: str, outs: list[Completion]) -> None:
-        """A group's G samples are done: the evaluation's wait for its report, training's for the publisher."""
+        """A group's G samples are done: the evaluation's wait for its report, training's for the publisher; an
+        episode's model turn: its environment's step."""
         for c in outs:
             n = len(c.versions) if c.versions else 1
             self.m.versions_per_sample.observe(n)
             if n > 1:
                 self.m.multi_version_samples.inc()
+        if key.startswith("x/"):
+            self.episodes.engine_done(key, outs[0], self.engine.version)
+            n = len(outs[0].token_ids)  # an episode counts as a sample once, when it is published
+            self.m.tokens.inc(n)
+            self.window.tokens(n)
+            return
         if key.startswith("e/"):
             assert self.evaluation is not None
             self.evaluation.outs[int(key.rsplit("/", 1)[1])] = outs

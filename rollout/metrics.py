@@ -79,6 +79,33 @@ class RolloutMetrics:
             "dapo_rollout_weight_load_seconds", "Seconds to load weights into the engine.", registry=r, buckets=buckets
         )
 
+        self.episodes = Counter(
+            "dapo_rollout_episodes",
+            "Episodes finished: done (the environment ended it), max_turns, max_tokens (cut: truncated), failed "
+            "(the environment failed; begun again or dead-lettered).",
+            ["env", "ended"],
+            registry=r,
+        )
+        self.episode_turns = Histogram(
+            "dapo_rollout_episode_turns", "Model turns per finished episode.", ["env"], registry=r,
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+        )  # fmt: skip
+        self.tool_calls = Counter(
+            "dapo_rollout_tool_calls", "Tool calls in episodes: valid, malformed, unknown, failed.", ["outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.env_step_seconds = Histogram(
+            "dapo_rollout_env_step_seconds", "Latency of one environment call (reset or step) seen by the replica.",
+            ["kind"], registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )  # fmt: skip
+        self.episode_seconds = Counter(
+            "dapo_rollout_episode_seconds",
+            "Seconds episodes spent waiting for their environment (env) and in the engine (generate).",
+            ["phase"],
+            registry=r,
+        )
+        self.episodes_live = Gauge("dapo_rollout_episodes_live", "Episodes begun and not finished.", registry=r)
+
     def generated(self, outs: Sequence[Sequence[Completion]]) -> int:
         """Count training's samples (tokens, samples, truncations), whichever loop generated them; their tokens."""
         n_tokens = sum(len(c.token_ids) for o in outs for c in o)

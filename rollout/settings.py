@@ -60,6 +60,26 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     reward_token: SecretStr | None = Field(None, description="Bearer token for the reward server.")
     reward_timeout_s: float = Field(60.0, gt=0, description="Timeout of one scoring request.")
     reward_retries: int = Field(5, ge=0, description="Retries with backoff before the prompts are left pending.")
+    env_url: str = Field(
+        "http://127.0.0.1:8005",
+        description="Base URL of the environment service, for prompts whose verifier is env:<name> (episodes).",
+    )
+    env_token: SecretStr | None = Field(None, description="Bearer token for the environment service.")
+    env_timeout_s: float = Field(60.0, gt=0, description="Timeout of one environment call (reset or step).")
+    env_retries: int = Field(4, ge=0, description="Retries with backoff of one environment call.")
+    env_concurrency: int = Field(16, ge=1, le=1024, description="Environment calls in flight at once (threads).")
+    episode_retries: int = Field(
+        2, ge=0, description="An episode whose environment failed is begun again this many times; then dead-lettered."
+    )
+    max_episode_tokens: int = Field(
+        1024, ge=1, description="Tokens after the opening of an episode (model and environment turns) at most."
+    )
+    max_episodes: int = Field(
+        128,
+        ge=1,
+        description="Continuous batching: episodes begun and not finished at most (in the engine or "
+        "waiting for their environment).",
+    )
     weights_dir: Path | None = Field(
         None, description="The learner's HF export folder (run_dir/hf): load each new version between engine calls."
     )

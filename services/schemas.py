@@ -65,6 +65,21 @@ class Turn(BaseModel):
     tokens: int = Field(ge=1)
 
 
+class EpisodeInfo(BaseModel):
+    """How an episode went (Sample schema 4; None on a single-turn sample)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: str = Field(min_length=1, description="The environment it ran in.")
+    model_turns: int = Field(ge=1)
+    ended: Literal["done", "max_turns", "max_tokens"] = Field(
+        description="done: the environment ended it; max_turns / max_tokens: cut there (truncated)."
+    )
+    tool_calls: dict[str, int] = Field(default_factory=dict, description="valid, malformed, unknown, failed.")
+    env_seconds: FiniteFloat = Field(0.0, ge=0, description="Time it waited for the environment.")
+    generate_seconds: FiniteFloat = Field(0.0, ge=0, description="Time its model turns were in the engine.")
+
+
 class Sample(Message):
     """One sampled response, with the behaviour log-prob of every response token and how it was sampled.
 
@@ -100,6 +115,8 @@ class Sample(Message):
         "log-probs, versions, in the loss) and the environment's (rendered by the chat template: out of the loss, "
         "log-prob 0); None: one model turn.",
     )
+
+    episode: EpisodeInfo | None = Field(None, description="An episode's summary (None: a single-turn sample).")
 
     def loss_mask(self) -> list[int]:
         """1 for each response token the model sampled, 0 for each the environment wrote."""

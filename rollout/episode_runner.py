@@ -1,0 +1,307 @@
+"""Episodes against the environment service, G per prompt, for the continuous-batching loop and turn by turn.
+
+A prompt whose verifier is `env:<name>` is an environment task: its ground truth is the reset's `{"seed": n}` or
+`{"task": {...}}` (JSON), and each of its G samples is an episode (rollout/episodes.py). An episode alternates:
+its environment call (reset, then a step per model turn) runs in one of `--env-concurrency` threads, and its model
+turn is one request in the engine. While an episode waits for its environment it is not in the engine: the others
+keep generating (continuous batching), and a weight update between two turns gives the next turn's tokens their
+new version. The episode ends when the environment says done (its reward), at `max_turns` (the environment cuts
+it), or when its tokens would pass `--max-episode-tokens` (cut here: `max_tokens`, the reward of a failure).
+
+An environment that fails (no answer after the client's retries, a 4xx such as a lost episode after its instance
+died, or `error` in a step) fails the episode: it is begun again from its reset, under a new id (so on another
+instance when there are several), up to `--episode-retries` times; then the whole prompt is dead-lettered
+(`env_failed`) — nothing of a failed episode is ever published.
+
+    runner = EpisodeRunner(settings, tokenizer, metrics)
+    runner.start(delivery, params)         # G episodes of an env task, sampled with `params`
+    runner.advance(engine)                 # finished environment calls -> the next model turns submitted
+    runner.engine_done(key, completion)    # a model turn finished (keys start with "x/") -> its environment step
+    for delivery, prompt, episodes in runner.take_finished(): ...
+    for delivery, why in runner.take_failed(): ...
+
+`run_turn_by_turn` runs episodes on an engine called in chunks, every live episode's turn in one call and every
+environment step of the round before the next: the evaluation's way, and the baseline of the benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.engines.base import Completion, ContinuousBatching, Engine, RequestRefused, SamplingParams
+from rollout.env_client import EnvClient, EnvRejected, EnvUnavailable, Opening
+from rollout.episodes import Episode, Renderer
+from rollout.metrics import RolloutMetrics
+from rollout.settings import RolloutSettings
+from services.episodes import StepResponse
+from services.schemas import PromptTask
+from services.streams import Delivery
+
+log = logging.getLogger(__name__)
+ENV_PREFIX = "env:"
+
+
+def env_task(task: PromptTask) -> tuple[str, dict[str, Any]] | None:
+    """(environment, reset body) of an environment task; None for a single-turn prompt; ValueError if malformed."""
+    if not task.verifier.startswith(ENV_PREFIX):
+        return None
+    name = task.verifier[len(ENV_PREFIX) :]
+    try:
+        spec = json.loads(task.ground_truth)
+    except json.JSONDecodeError:
+        spec = None
+    if not isinstance(spec, dict) or len(spec.keys() & {"seed", "task"}) != 1:
+        raise ValueError(f'{task.verifier}: the ground truth must be {{"seed": n}} or {{"task": {{...}}}}')
+    return name, {k: spec[k] for k in ("seed", "task") if k in spec}
+
+
+def episode_id(task_id: str, j: int, attempt: int) -> str:
+    return f"{re.sub(r'[^A-Za-z0-9_.:-]', '-', task_id)[:100]}.{j}.{attempt}"
+
+
+@dataclass
+class _Group:
+    delivery: Delivery[PromptTask]
+    env: str
+    body: dict[str, Any]
+    params: SamplingParams
+    done: list[Episode | None]
+    failed: str | None = None
+
+
+@dataclass
+class _Live:
+    group: _Group
+    j: int
+    attempt: int = 0
+    ep: Episode | None = None
+    base: str = ""
+    turn: int = 0  # model turns taken
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def id(self) -> str:
+        return episode_id(self.group.delivery.message.task_id, self.j, self.attempt)
+
+
+class EpisodeRunner:
+    def __init__(self, s: RolloutSettings, tokenizer: Any, metrics: RolloutMetrics, client: EnvClient | None = None):
+        self.s, self.m, self.tok = s, metrics, tokenizer
+        token = s.env_token.get_secret_value() if s.env_token else None
+        self.client = client or EnvClient(s.env_url, token=token, timeout_s=s.env_timeout_s, retries=s.env_retries)
+        self.render = Renderer(tokenizer, s.chat_template)
+        self.pool = ThreadPoolExecutor(s.env_concurrency, thread_name_prefix="env")
+        self.calls: dict[Future[Any], _Live] = {}  # environment calls in flight
+        self.ready: list[_Live] = []  # episodes whose next model turn awaits submission
+        self.generating: dict[str, _Live] = {}  # engine key -> episode
+        self.groups: list[_Group] = []
+        self.live = 0
+
+    # ------------------------------------------------------------------ the environment side
+
+    def start(self, d: Delivery[PromptTask], params: SamplingParams) -> None:
+        spec = env_task(d.message)
+        assert spec is not None, "not an environment task"
+        g = _Group(d, spec[0], spec[1], params, [None] * d.message.n_samples)
+        self.groups.append(g)
+        for j in range(d.message.n_samples):
+            self._reset(_Live(g, j))
+
+    def _reset(self, lv: _Live) -> None:
+        self.live += 1
+        self.m.episodes_live.set(self.live)
+        lv.ep, lv.turn, lv.t0 = None, 0, time.perf_counter()
+        self.calls[self.pool.submit(self._timed, "reset", self.client.reset, lv.group.env, lv.group.body, lv.id)] = lv
+
+    def _timed(self, kind: str, fn: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.m.env_step_seconds.labels(kind).observe(time.perf_counter() - t0)
+
+    def pending(self) -> int:
+        """Episodes begun and not finished."""
+        return self.live
+
+    def holds(self, entry_id: str) -> bool:
+        """Whether the prompt of this stream entry is being rolled out here."""
+        return any(g.delivery.entry_id == entry_id for g in self.groups)
+
+    def wait(self, timeout_s: float) -> None:
+        """Until an environment call finishes (or the timeout): for a loop with nothing in the engine."""
+        if self.calls:
+            wait(list(self.calls), timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def collect(self) -> None:
+        """Finished environment calls: an opening or a step's answer -> the next model turn, or the episode's end."""
+        for fut in [f for f in self.calls if f.done()]:
+            lv = self.calls.pop(fut)
+            waited = time.perf_counter() - lv.t0
+            self.m.episode_seconds.labels("env").inc(waited)
+            try:
+                out = fut.result()
+            except (EnvUnavailable, EnvRejected) as e:
+                self._fail(lv, str(e))
+                continue
+            if lv.ep is not None:
+                lv.ep.env_seconds += waited
+            if isinstance(out, Opening):
+                lv.base = out.base
+                lv.ep = Episode(env=lv.group.env, opening=self.render.opening(out.response.messages))
+                self.ready.append(lv)
+            else:
+                self._answered(lv, out)
+
+    def _answered(self, lv: _Live, out: StepResponse) -> None:
+        ep = lv.ep
+        assert ep is not None
+        ep.count_tools(out.tools)
+        for k, v in out.tools.model_dump().items():
+            if v:
+                self.m.tool_calls.labels(k).inc(v)
+        if out.error:
+            self._fail(lv, f"the environment failed: {out.error}")
+        elif out.done:
+            ep.reward = out.reward if out.reward is not None else -1.0
+            self._end(lv, "max_turns" if out.truncated else "done")
+        else:
+            ids = self.render.continuation(ep.last_model_ids, ep.last_finish, out.messages)
+            if len(ep.ids) + len(ids) >= self.s.max_episode_tokens:
+                self._cut(lv)
+            else:
+                ep.add_env(ids)
+                self.ready.append(lv)
+
+    def _cut(self, lv: _Live) -> None:
+        assert lv.ep is not None
+        lv.ep.reward = -1.0  # as an environment scores an episode it had to cut
+        self._end(lv, "max_tokens")
+
+    def _end(self, lv: _Live, ended: str) -> None:
+        ep = lv.ep
+        assert ep is not None
+        ep.ended = ended  # type: ignore[assignment]
+        lv.group.done[lv.j] = ep
+        self.live -= 1
+        self.m.episodes_live.set(self.live)
+        self.m.episodes.labels(lv.group.env, ended).inc()
+        self.m.episode_turns.labels(lv.group.env).observe(ep.model_turns)
+        self.pool.submit(self.client.close, lv.base, lv.id)
+
+    def _fail(self, lv: _Live, why: str) -> None:
+        self.live -= 1
+        self.m.episodes.labels(lv.group.env, "failed").inc()
+        if lv.base:
+            self.pool.submit(self.client.close, lv.base, lv.id)
+        if lv.attempt < self.s.episode_retries and lv.group.failed is None:
+            log.warning("episode %s failed (%s); beginning it again", lv.id, why)
+            self._reset(dataclasses.replace(lv, attempt=lv.attempt + 1, base=""))
+        elif lv.group.failed is None:
+            lv.group.failed = f"episode {lv.j} failed {lv.attempt + 1} times; the last: {why}"[:1000]
+        self.m.episodes_live.set(self.live)
+
+    # ------------------------------------------------------------------ the engine side
+
+    def advance(self, engine: ContinuousBatching) -> None:
+        """Collect the environment's answers and submit every model turn that is ready."""
+        self.collect()
+        ready, self.ready = self.ready, []
+        for lv in ready:
+            if lv.group.failed is not None:
+                self._drop(lv)
+                continue
+            ep = lv.ep
+            assert ep is not None
+            room = self.s.max_episode_tokens - len(ep.ids)
+            if room <= 0:
+                self._cut(lv)
+                continue
+            key = f"x/{lv.id}/{lv.turn}"
+            params = lv.group.params
+            try:
+                engine.submit(
+                    key, ep.prompt_ids(), 1, dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+                )
+            except RequestRefused as e:
+                lv.group.failed = f"the engine refused episode {lv.j}'s turn {lv.turn + 1}: {e}"[:1000]
+                self._drop(lv)
+                continue
+            lv.t0 = time.perf_counter()
+            self.generating[key] = lv
+
+    def _drop(self, lv: _Live) -> None:
+        """An episode of a failed group stops where it is."""
+        self.live -= 1
+        self.m.episodes_live.set(self.live)
+        if lv.base:
+            self.pool.submit(self.client.close, lv.base, lv.id)
+
+    def engine_done(self, key: str, completion: Completion, version: int) -> None:
+        lv = self.generating.pop(key)
+        ep = lv.ep
+        assert ep is not None
+        spent = time.perf_counter() - lv.t0
+        ep.generate_seconds += spent
+        self.m.episode_seconds.labels("generate").inc(spent)
+        ep.add_model(completion, version)
+        lv.turn += 1
+        if lv.group.failed is not None:
+            self._drop(lv)
+            return
+        if len(ep.ids) >= self.s.max_episode_tokens:
+            self._cut(lv)
+            return
+        lv.t0 = time.perf_counter()
+        self.calls[
+            self.pool.submit(self._timed, "step", self.client.step, lv.base, lv.id, lv.turn, completion.text)
+        ] = lv
+
+    # ------------------------------------------------------------------ groups out
+
+    def take_finished(self) -> list[tuple[Delivery[PromptTask], list[Episode]]]:
+        out = [g for g in self.groups if g.failed is None and all(e is not None for e in g.done)]
+        self.groups = [g for g in self.groups if g not in out]
+        return [(g.delivery, [e for e in g.done if e is not None]) for g in out]
+
+    def take_failed(self) -> list[tuple[Delivery[PromptTask], str]]:
+        """Groups with a failed episode, once none of theirs is in flight any more."""
+        busy = {id(lv.group) for lv in [*self.calls.values(), *self.generating.values(), *self.ready]}
+        out = [g for g in self.groups if g.failed is not None and id(g) not in busy]
+        self.groups = [g for g in self.groups if g not in out]
+        return [(g.delivery, g.failed or "") for g in out]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_turn_by_turn(engine: Engine, runner: EpisodeRunner) -> None:
+    """Every episode the runner holds, to its end, on an engine called in chunks: each round, one engine call for
+    every episode whose turn is next (sampled with the first one's group's parameters, each turn at most their
+    max_tokens), then every environment step of the round before the next round."""
+    while runner.pending():
+        runner.wait(timeout_s=1.0)
+        runner.collect()
+        if runner.calls:  # the round's environment calls: all of them before the next engine call
+            continue
+        ready, runner.ready = runner.ready, []
+        for lv in [lv for lv in ready if lv.group.failed is not None]:
+            runner._drop(lv)
+        ready = [lv for lv in ready if lv.group.failed is None]
+        if not ready:
+            continue
+        prompts = [lv.ep.prompt_ids() for lv in ready if lv.ep is not None]
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, 1, ready[0].group.params)
+        for lv, out in zip(ready, outs, strict=True):
+            key = f"x/{lv.id}/{lv.turn}"
+            runner.generating[key] = lv
+            lv.t0 = t0
+            runner.engine_done(key, out[0], engine.version)

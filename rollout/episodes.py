@@ -1,0 +1,141 @@
+"""An episode on a replica, token-exact: the opening rendered once, each model turn kept as sampled, each
+environment turn rendered by the chat template and appended — no earlier token is ever tokenised again.
+
+    r = Renderer(tokenizer)
+    ep = Episode(env="calculator", opening=r.opening(messages))
+    ep.add_model(completion, text)                          # its ids, log-probs, the version of every token
+    ep.add_env(r.continuation(ep.last_model_ids, finish_reason, new_messages))   # 0 in the loss mask
+    prompt = ep.prompt_ids()                                 # what the engine continues from next
+    sample = ep.sample(temperature, top_p, text)             # Sample schema 4: turns, versions, EpisodeInfo
+
+How an environment turn is rendered: the template is applied to a probe conversation that ends with an assistant
+message, with and without the new messages (and the generation prompt); the text between the two is the new
+turn, and the text after the probe's assistant content is what closes a model turn (SmolLM2: `<|im_end|>\n`). A
+model turn that ended on its end-of-turn token already holds the start of that closing; one cut by the length
+limit gets all of it. Only the new text is tokenised.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rollout.engines.base import Completion, encode_prompt
+from services.episodes import ChatMessage, ToolStats
+from services.schemas import EpisodeInfo, Sample, Turn
+
+PROBE = "\u2063probe-assistant-content\u2063"
+Ended = Literal["done", "max_turns", "max_tokens"]
+
+
+class Renderer:
+    def __init__(self, tokenizer: Any, chat_template: bool = True):
+        self.tok = tokenizer
+        self.template = chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+    def _apply(self, messages: list[dict[str, Any]], generation: bool) -> str:
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+        return str(out)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False).input_ids) if text else []
+
+    def opening(self, messages: list[ChatMessage]) -> list[int]:
+        """The opening messages and the generation prompt, as the model will read them."""
+        if not self.template:
+            return encode_prompt(self.tok, "\n\n".join(m.content for m in messages), chat_template=False)
+        return self._encode(self._apply([_plain(m) for m in messages], generation=True))
+
+    def continuation(self, model_ids: list[int], finish: str, messages: list[ChatMessage]) -> list[int]:
+        """The tokens after a model turn: the rest of its closing, the new messages, the next generation prompt."""
+        if not self.template:
+            return self._encode("".join(f"\n\n{m.content}" for m in messages) + "\n\n")
+        probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE}]
+        before = self._apply(probe, generation=False)
+        after = self._apply(probe + [_plain(m) for m in messages], generation=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template renders earlier turns differently once more follow: it cannot be "
+                             "continued token-exactly")  # fmt: skip
+        closing = before[before.index(PROBE) + len(PROBE) :]
+        last = self.tok.decode(model_ids[-1:]) if model_ids and finish == "stop" else ""
+        if last and closing.startswith(last):
+            closing = closing[len(last) :]
+        return self._encode(closing + after[len(before) :])
+
+
+def _plain(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+@dataclass
+class Episode:
+    env: str
+    opening: list[int]
+    ids: list[int] = field(default_factory=list)  # the response: every token after the opening
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    model_turns: int = 0
+    last_model_ids: list[int] = field(default_factory=list)
+    last_finish: str = "stop"
+    tools: ToolStats = field(default_factory=ToolStats)
+    reward: float | None = None
+    ended: Ended | None = None
+    env_seconds: float = 0.0
+    generate_seconds: float = 0.0
+
+    def prompt_ids(self) -> list[int]:
+        return self.opening + self.ids
+
+    def add_model(self, c: Completion, version: int) -> None:
+        """A model turn as sampled; `version`: the engine's when the turn started (tokens without their own)."""
+        runs = c.versions or ((version, len(c.token_ids)),)
+        self.ids += c.token_ids
+        self.logprobs += c.logprobs
+        self.versions += [v for v, n in runs for _ in range(n)]
+        self._turn("model", len(c.token_ids))
+        self.model_turns += 1
+        self.last_model_ids, self.last_finish = list(c.token_ids), c.finish_reason
+
+    def add_env(self, ids: list[int]) -> None:
+        """An environment turn as rendered: in the context, out of the loss (log-prob 0, the last model version)."""
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [self.versions[-1] if self.versions else 0] * len(ids)
+        self._turn("env", len(ids))
+
+    def _turn(self, role: Literal["model", "env"], n: int) -> None:
+        if n == 0:
+            return
+        if self.turns and self.turns[-1].role == role:
+            self.turns[-1].tokens += n
+        else:
+            self.turns.append(Turn(role=role, tokens=n))
+
+    def count_tools(self, stats: ToolStats) -> None:
+        for k, v in stats.model_dump().items():
+            setattr(self.tools, k, getattr(self.tools, k) + v)
+
+    def sample(self, temperature: float, top_p: float, text: str = "") -> Sample:
+        runs = [(v, len(list(g))) for v, g in itertools.groupby(self.versions)]
+        info = EpisodeInfo(env=self.env, model_turns=max(1, self.model_turns), ended=self.ended or "done",
+                           tool_calls=self.tools.model_dump(), env_seconds=self.env_seconds,
+                           generate_seconds=self.generate_seconds)  # fmt: skip
+        return Sample(
+            response_token_ids=self.ids,
+            response_text=text,
+            logprobs=self.logprobs,
+            finish_reason="length" if self.ended == "max_tokens" else "stop",
+            policy_version=runs[0][0] if runs else 0,
+            temperature=temperature,
+            top_p=top_p,
+            version_runs=[list(r) for r in runs] if runs else None,  # type: ignore[misc]
+            turns=self.turns,
+            episode=info,
+        )

@@ -1,0 +1,171 @@
+"""Episodes through a real replica (a process: the HF engine, vLLM's continuous batching, vLLM's chunked loop) on
+the tiny model, against the real environment service over HTTP, published into real Redis: each environment
+task's G episodes come out as one group whose samples carry their turns, the environment's tokens rendered by
+the chat template exactly, the model's log-probs those of a transformers forward over the whole episode; an
+environment that fails is begun again, then dead-lettered; an environment service killed -9 mid-episode and
+restarted loses no prompt and publishes none twice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from learner.batching import to_tensors
+from learner.tiny import tiny_tokenizer
+from rollout.engines import Completion
+from rollout.episodes import Renderer
+from services.child_process import ROOT, child_env, running, wait_ready
+from services.episodes import ChatMessage, ResetResponse
+from services.redis_server import EmbeddedRedis, free_port
+from services.schemas import PromptTask, ScoredGroup, TrainBatch
+from services.streams import DEAD_LETTER_STREAM, STREAM_PROMPTS, StreamProducer, connect, ensure_group
+from tests.integration.test_rollout_engines import TOL_HF, TOLERANCE, reference_logprobs
+from tests.integration.test_rollout_worker import groups, start, stop, wait_groups
+
+VLLM = [pytest.mark.slow, pytest.mark.vllm]
+FEEDBACK = "That is not right. Try again."
+
+
+@pytest.fixture(scope="module")
+def env_url() -> Iterator[str]:
+    with running("env_server", "--workers", "4", ready_path="/readyz") as (base, _):
+        yield base
+
+
+def env_tasks(n: int, g: int = 2, env: str = "retry") -> list[PromptTask]:
+    return [PromptTask(task_id=f"e{i}", prompt_id=f"{env}-{i}", prompt=f"{env} seed {i}", n_samples=g,
+                       ground_truth=json.dumps({"seed": i}), verifier=f"env:{env}", data_source=f"env/{env}")
+            for i in range(n)]  # fmt: skip
+
+
+def check_episode_group(g: ScoredGroup, env_url: str, model_dir: Path, tol: float) -> int:
+    """The opening is the environment's, rendered; every environment turn is the feedback rendered exactly; the
+    model's log-probs are a forward's over the whole episode; the learner masks the environment's tokens. The
+    number of model turns in the group."""
+    seed = json.loads(g.task.ground_truth)["seed"]
+    opening = httpx.post(f"{env_url}/v1/episodes", json={"env": "retry", "seed": seed}, timeout=10).json()
+    render = Renderer(tiny_tokenizer())
+    assert g.task.prompt_token_ids is not None
+    prompt = g.task.prompt_token_ids.tolist()
+    assert prompt == render.opening(ResetResponse.model_validate(opening).messages)
+    turns = 0
+    for s, score in zip(g.samples, g.scores, strict=True):
+        assert s.turns and s.episode and s.episode.env == "retry" and s.schema_version == 4
+        assert [t.role for t in s.turns][::2] == ["model"] * ((len(s.turns) + 1) // 2)  # model, env, model, ...
+        ids, at = s.response_token_ids.tolist(), 0
+        for t in s.turns:
+            part = ids[at : at + t.tokens]
+            if t.role == "env":
+                # the tiny tokenizer's end of sequence is not the start of its template's closing ("\n"): nothing
+                # of the closing is ever in the model's turn, as after a turn cut by the length limit
+                want = render.continuation(ids[:at], "length", [ChatMessage(role="user", content=FEEDBACK)])
+                assert part == want, (render.tok.decode(part), render.tok.decode(want))
+            at += t.tokens
+        assert s.episode.model_turns == sum(t.role == "model" for t in s.turns)
+        assert s.episode.ended == "done" and (score.reward == 1.0 or s.episode.model_turns == 3)
+        ref = reference_logprobs(model_dir, prompt, Completion(ids, "", s.logprobs.tolist(), "stop"))
+        mask = s.loss_mask()
+        gap = max(abs(a - b) for a, b, m in zip(s.logprobs.tolist(), ref, mask, strict=True) if m)
+        assert gap <= tol, f"model tokens' log-probs differ from a forward by {gap}"
+        turns += s.episode.model_turns
+    t = to_tensors(TrainBatch.assemble(0, [g]), pad_id=0)
+    for i, s in enumerate(g.samples):
+        assert t.response_mask[i, len(prompt) : len(prompt) + len(s.response_token_ids)].tolist() == s.loss_mask()
+    return turns
+
+
+@pytest.mark.parametrize(
+    ("engine", "tol"),
+    [("hf", TOL_HF["fp32"]), pytest.param("vllm", TOLERANCE["fp32"], marks=VLLM),
+     pytest.param("vllm --no-stream", TOLERANCE["fp32"], marks=VLLM)],
+)  # fmt: skip
+def test_env_tasks_become_token_exact_episode_groups(
+    model_dir: Path, server: EmbeddedRedis, env_url: str, engine: str, tol: float
+) -> None:
+    client = connect(server.url)
+    ensure_group(client, STREAM_PROMPTS, "rollout")
+    StreamProducer(client, STREAM_PROMPTS).publish_many(env_tasks(4))
+    name, *extra = engine.split()
+    proc = start(model_dir, server.url, "http://127.0.0.1:9", "r0", "--env-url", env_url, "--dtype", "fp32",
+                 "--max-episode-tokens", "400", *extra, engine=name)  # fmt: skip
+    try:
+        got = wait_groups(client, 4, timeout_s=300)
+    finally:
+        stop(proc)
+    assert sorted(g.task.task_id for g in got) == ["e0", "e1", "e2", "e3"]
+    turns = sum(check_episode_group(g, env_url, model_dir, tol) for g in got)
+    assert turns > 8  # a random model is mostly wrong: most episodes take their three attempts
+    assert client.xlen(DEAD_LETTER_STREAM) == 0
+
+
+def dead_letters(client: redis.Redis) -> list[dict[bytes, bytes]]:
+    return [f for _, f in client.xrange(DEAD_LETTER_STREAM)]
+
+
+def test_an_environment_that_fails_is_begun_again_then_dead_lettered(model_dir: Path, server: EmbeddedRedis) -> None:
+    client = connect(server.url)
+    ensure_group(client, STREAM_PROMPTS, "rollout")
+    bad = env_tasks(1)[0].model_copy(update={"task_id": "bad", "ground_truth": "17"})
+    StreamProducer(client, STREAM_PROMPTS).publish_many([*env_tasks(2), bad])
+    dead_env = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    proc = start(model_dir, server.url, "http://127.0.0.1:9", "r0", "--env-url", dead_env, "--env-retries", "0",
+                 "--episode-retries", "1")  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(dead_letters(client)) < 3:
+            assert time.monotonic() < deadline, f"dead letters: {dead_letters(client)}"
+            time.sleep(0.2)
+    finally:
+        stop(proc)
+    kinds = sorted(f[b"kind"].decode() for f in dead_letters(client))
+    assert kinds == ["env_failed", "env_failed", "env_task_invalid"], kinds
+    detail = b" ".join(f[b"reason"] for f in dead_letters(client)).decode()
+    assert "failed 2 times" in detail and "no answer after 1 tries" in detail and '{"seed": n}' in detail
+    assert groups(client) == []
+
+
+def test_the_environment_service_killed_mid_episode_loses_and_duplicates_nothing(
+    model_dir: Path, server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "env_server", "--port", str(port)]
+
+    def env_service() -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([*cmd, "--env-classes", "tests.integration.env_plugins:Sleepy"], env=child_env(),
+                             cwd=ROOT, stderr=(tmp_path / "env.log").open("ab"))  # fmt: skip
+        wait_ready(p, f"{url}/readyz", name="env_server", timeout_s=60)
+        return p
+
+    client = connect(server.url)
+    ensure_group(client, STREAM_PROMPTS, "rollout")
+    slow = [t.model_copy(update={"verifier": "env:sleepy", "ground_truth": json.dumps({"task": {"seconds": 0.5}})})
+            for t in env_tasks(8, g=2)]  # fmt: skip
+    StreamProducer(client, STREAM_PROMPTS).publish_many(slow)
+    env = env_service()
+    proc = start(model_dir, server.url, "http://127.0.0.1:9", "r0", "--env-url", url, "--env-retries", "2",
+                 "--episode-retries", "3")  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not groups(client):
+            assert time.monotonic() < deadline, "no group before the kill"
+            time.sleep(0.05)
+        env.kill()  # -9, episodes in flight
+        env.wait(10)
+        time.sleep(1.0)
+        env = env_service()  # the same address, none of the old episodes
+        got = wait_groups(client, 8, timeout_s=180)
+    finally:
+        stop(proc)
+        env.kill()
+    assert sorted(g.task.task_id for g in got) == sorted(f"e{i}" for i in range(8))  # each once
+    assert client.xlen(DEAD_LETTER_STREAM) == 0
+    assert all(s.episode and s.episode.ended == "done" for g in got for s in g.samples)
