@@ -79,6 +79,10 @@ class RolloutMetrics:
             "dapo_rollout_weight_load_seconds", "Seconds to load weights into the engine.", registry=r, buckets=buckets
         )
 
+        self._episode_metrics(r)
+
+    def _episode_metrics(self, r: CollectorRegistry) -> None:
+        """Episodes against the environment service (rollout/episode_runner.py)."""
         self.episodes = Counter(
             "dapo_rollout_episodes",
             "Episodes finished: done (the environment ended it), max_turns, max_tokens (cut: truncated), failed "
