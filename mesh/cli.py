@@ -294,6 +294,10 @@ def evaluate(
         str | None, typer.Option(envvar="DAPO_REWARD_URL", help="The reward server; unset: start one.")
     ] = None,
     reward_token: Annotated[str | None, typer.Option(envvar="DAPO_REWARD_TOKEN", show_default=False)] = None,
+    env_url: Annotated[
+        str | None, typer.Option(envvar="DAPO_ENV_URL", help="The environment service (env: data); unset: start one.")
+    ] = None,
+    env_token: Annotated[str | None, typer.Option(envvar="DAPO_ENV_TOKEN", show_default=False)] = None,
     dataset_seed: Annotated[int, typer.Option(help="As the buffer's --dataset-seed.")] = 42,
     dataset_size: Annotated[int, typer.Option(help="As the buffer's --dataset-size.")] = 10_000,
     dataset_config: Annotated[str | None, typer.Option(help="As the buffer's --dataset-config (JSON).")] = None,
@@ -331,7 +335,9 @@ def evaluate(
         stack.callback(client.close)
         # built as a replica builds it: the same seed draws the same samples
         eng = load_engine(model_dir, engine, dtype=resolve_dtype(dtype))  # type: ignore[arg-type]
-        report, samples = run_eval(eng, items, client, k=k, params=SamplingParams(temperature, top_p, max_tokens, seed))
+        episodes = _episode_runner(stack, items, env_url, env_token, eng.tokenizer)
+        params = SamplingParams(temperature, top_p, max_tokens, seed)
+        report, samples = run_eval(eng, items, client, k=k, params=params, episodes=episodes)
     report.settings = {
         "model": str(model_dir),
         "data": data,
@@ -344,14 +350,38 @@ def evaluate(
         "max_tokens": max_tokens,
     }
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(report.to_json())
-        with (out / "samples.jsonl").open("w") as f:
-            f.writelines(json.dumps(dataclasses.asdict(s)) + "\n" for s in samples)
+        _write_eval(out, report, samples)
     if as_json:
         print(report.to_json())
         return
     console.print(_report_table(report, f"{model_dir.name}: {len(items)} held-out prompts × {k} samples", k))
+
+
+def _write_eval(out: Path, report: Any, samples: list[Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(report.to_json())
+    with (out / "samples.jsonl").open("w") as f:
+        f.writelines(json.dumps(dataclasses.asdict(s)) + "\n" for s in samples)
+
+
+def _episode_runner(
+    stack: contextlib.ExitStack, items: list[Any], url: str | None, token: str | None, tokenizer: Any
+) -> Any:
+    """Held-out environment tasks run as episodes against `url`, or an environment service started here."""
+    if not any(it.verifier.startswith("env:") for it in items):
+        return None
+    from prometheus_client import CollectorRegistry
+
+    from rollout.episode_runner import EpisodeRunner
+    from rollout.metrics import RolloutMetrics
+    from rollout.settings import RolloutSettings
+    from services.child_process import running
+
+    if url is None:
+        env = {"DAPO_AUTH_TOKEN": token} if token else {}
+        url, _ = stack.enter_context(running("env_server", ready_path="/readyz", env=env, token=token))
+    settings = RolloutSettings(env_url=url, env_token=token)  # type: ignore[call-arg]
+    return EpisodeRunner(settings, tokenizer, RolloutMetrics(CollectorRegistry()))
 
 
 def _not_an_adapter(model_dir: Path) -> None:

@@ -226,13 +226,18 @@ class ContinuousLoop:
             if self.r.evaluator.report(ev.items, outs, ev.version, ev.t0) is not None:
                 self.evaluation = None
 
+    def _env_held_out(self, version: int) -> bool:
+        items = self.r.evaluator.held_out(version)
+        return items is not None and self.r.evaluator.has_env_items()
+
     def _start_evaluation(self) -> bool:
         """An evaluation beside training has begun (`--eval-mode shared`); `stop` drains the engine instead, then
         runs the chunked, seeded one at once."""
         version, ev = self.engine.version, self.r.evaluator
         if not ev.due(version):
             return False
-        if self.r.s.eval_mode == "stop":  # stop the world: drain, then the chunked, seeded evaluation
+        if self.r.s.eval_mode == "stop" or self.eval_waiting or self._env_held_out(version):
+            # stop the world: drain, then the chunked, seeded evaluation (held-out episodes always run so)
             self.eval_waiting = True
             if not self.engine.in_flight():
                 ev.run_seeded(self.engine.chunked)  # `dapo-mesh eval`'s numbers for these weights and seed

@@ -282,6 +282,20 @@ class EpisodeRunner:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def run_items(
+    runner: EpisodeRunner, engine: Engine, tasks: list[PromptTask], params: SamplingParams
+) -> dict[str, list[Episode]]:
+    """Each task's n_samples episodes, turn by turn, to their end (the held-out evaluation): task_id -> episodes.
+    EnvUnavailable when an environment failed past the retries (the evaluation is postponed)."""
+    for i, task in enumerate(tasks):
+        runner.start(Delivery(f"eval-{i}", task, 1), params)
+    run_turn_by_turn(engine, runner)
+    failed = runner.take_failed()
+    if failed:
+        raise EnvUnavailable(f"{len(failed)} held-out tasks' episodes failed; the first: {failed[0][1]}")
+    return {d.message.task_id: eps for d, eps in runner.take_finished()}
+
+
 def run_turn_by_turn(engine: Engine, runner: EpisodeRunner) -> None:
     """Every episode the runner holds, to its end, on an engine called in chunks: each round, one engine call for
     every episode whose turn is next (sampled with the first one's group's parameters, each turn at most their

@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from rollout.engines.base import Completion, Engine, SamplingParams, encode_prompt
+from rollout.episode_runner import ENV_PREFIX, EpisodeRunner, run_items
 from rollout.reward_client import RewardClient, score_items
 from services.datasets import DEFAULT_DATASET_CONFIG, Item, Template, load_source, read_items
+from services.schemas import PromptTask
 
 PROMPTS_PER_CALL = 32  # prompts (x k samples) per engine call; fixed, because the seeds go by call
 
@@ -85,14 +87,14 @@ def load_eval_items(
     """A dataset spec: its held-out split, exactly as the buffer draws it given the same seed, training size
     (questions that occur in training are dropped), config and template. Or a .jsonl file of items (the
     buffer's run_dir/eval.jsonl). The first `size` items. No config: the buffer's default one."""
-    if data.startswith(("reasoning_gym:", "file:")):
+    if data.startswith(("reasoning_gym:", "file:", "env:")):
         config = DEFAULT_DATASET_CONFIG if config is None else config
         source = load_source(data, size=dataset_size, seed=seed, eval_size=size, config=config, template=template)
         return source.eval
     path = Path(data)
     if not path.is_file():
         raise FileNotFoundError(
-            f"evaluation data {data!r}: neither a dataset spec (reasoning_gym:..., file:...) nor a file"
+            f"evaluation data {data!r}: neither a dataset spec (reasoning_gym:..., file:..., env:...) nor a file"
         )
     return read_items(path)[:size]
 
@@ -110,10 +112,12 @@ def evaluate(
     params: SamplingParams,
     chat_template: bool = True,
     stopped: Callable[[], bool] = lambda: False,
+    episodes: EpisodeRunner | None = None,
 ) -> tuple[EvalReport, list[EvalSample]]:
     """k samples per item from the engine's current weights, each scored by the reward server. `stopped()` is asked
     before each engine call: true raises EvaluationStopped (a replica told to leave does not finish a long
-    evaluation first)."""
+    evaluation first). Environment tasks (verifier env:<name>) are k episodes each, run turn by turn by `episodes`
+    against the environment service; an episode's success is a positive reward."""
     if not items:
         raise ValueError("no evaluation items")
     t0 = time.perf_counter()
@@ -122,19 +126,43 @@ def evaluate(
     for start in range(0, len(items), PROMPTS_PER_CALL):
         if stopped():
             raise EvaluationStopped(f"stopped after {start} of {len(items)} items")
-        chunk = items[start : start + PROMPTS_PER_CALL]
-        prompts = [encode_prompt(engine.tokenizer, it.prompt, chat_template) for it in chunk]
+        chunk = [it for it in items[start : start + PROMPTS_PER_CALL] if not it.verifier.startswith(ENV_PREFIX)]
+        envs = [it for it in items[start : start + PROMPTS_PER_CALL] if it.verifier.startswith(ENV_PREFIX)]
         # each engine call gets its own seed, from the position of its first item in the whole list
         chunk_params = (
             params
             if params.seed is None
             else SamplingParams(params.temperature, params.top_p, params.max_tokens, params.seed + 7919 * start)
         )
-        outs = engine.generate(prompts, k, chunk_params)
-        samples += score_samples(chunk, outs, reward, params.max_tokens)
+        if envs:
+            if episodes is None:
+                raise ValueError("held-out environment tasks need the environment service (a replica's --env-url)")
+            samples += episode_samples(episodes, engine, envs, k, chunk_params, version)
+        if chunk:
+            prompts = [encode_prompt(engine.tokenizer, it.prompt, chat_template) for it in chunk]
+            samples += score_samples(chunk, engine.generate(prompts, k, chunk_params), reward, params.max_tokens)
     if engine.version != version:
         raise RuntimeError(f"the engine's weights changed during the evaluation ({version} -> {engine.version})")
     return summarize(items, samples, k, version, time.perf_counter() - t0), samples
+
+
+def episode_samples(
+    runner: EpisodeRunner, engine: Engine, items: Sequence[Item], k: int, params: SamplingParams, version: int
+) -> list[EvalSample]:
+    """k episodes of each environment task; acc: the environment's reward is positive."""
+    tasks = [PromptTask(task_id=f"eval.{version}.{i}", prompt_id=it.prompt_id, prompt=it.prompt, n_samples=k,
+                        ground_truth=it.ground_truth, verifier=it.verifier, data_source=it.data_source)
+             for i, it in enumerate(items)]  # fmt: skip
+    done = run_items(runner, engine, tasks, params)
+    samples = []
+    for task in tasks:
+        for j, ep in enumerate(done[task.task_id]):
+            text = engine.tokenizer.decode(ep.ids)
+            model_tokens = sum(t.tokens for t in ep.turns if t.role == "model")
+            reward = float(ep.reward or 0.0)
+            finish = "length" if ep.ended == "max_tokens" else "stop"
+            samples.append(EvalSample(task.prompt_id, j, text, model_tokens, finish, reward > 0, reward, None))
+    return samples
 
 
 def score_samples(

@@ -24,6 +24,8 @@ from typing import Any
 import redis
 
 from rollout.engines.base import Completion, Engine, SamplingParams
+from rollout.env_client import EnvUnavailable
+from rollout.episode_runner import ENV_PREFIX, EpisodeRunner
 from rollout.evaluate import EvalReport, EvaluationStopped, evaluate, load_eval_items, score_samples, summarize
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
@@ -44,6 +46,17 @@ class Evaluator:
         self.items: list[Item] | None = None
         self.out = StreamProducer(client, STREAM_EVAL, registry=metrics.registry)
         self.stopping: Callable[[], bool] = lambda: False  # the runner's stop event: a seeded run ends between calls
+        self._episodes: EpisodeRunner | None = None  # for held-out environment tasks, made at the first
+
+    def episodes(self, engine: Engine) -> EpisodeRunner:
+        if self._episodes is None:
+            self._episodes = EpisodeRunner(self.s, engine.tokenizer, self.m)
+        return self._episodes
+
+    def has_env_items(self) -> bool:
+        """The held-out items hold environment tasks (run as episodes, in seeded engine calls: never beside
+        training's sequences)."""
+        return any(it.verifier.startswith(ENV_PREFIX) for it in self.items or [])
 
     def due(self, version: int) -> bool:
         """An evaluation of the weights of this version is to run now."""
@@ -95,8 +108,9 @@ class Evaluator:
                 params=self.params(),
                 chat_template=self.s.chat_template,
                 stopped=self.stopping,
+                episodes=self.episodes(engine),
             )
-        except (RewardUnavailable, RewardRejected) as e:
+        except (RewardUnavailable, RewardRejected, EnvUnavailable) as e:
             self.postpone(version, e)
             return None
         except EvaluationStopped as e:

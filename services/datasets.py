@@ -9,6 +9,7 @@ the ground layer.
     source = load_source("reasoning_gym:chain_sum=0.7,basic_arithmetic=0.3", ...)   # a weighted mix
     source = load_source("file:/data/dapo-math-17k.parquet@dapo_math")               # verl schema, its verifier
     source = load_source("reasoning_gym:basic_arithmetic=2,chain_sum=1; file:/data/gsm.jsonl@math_verify=1")
+    source = load_source("env:calculator; env:retry=0.5")     # episodes: tasks an environment draws from seeds
     source.train[i] -> Item;  source.eval -> list[Item] (never dispatched for training)
 
 A mixture is sources separated by `;`, each with its weight (a reasoning-gym part weighs the sum of its tasks'
@@ -16,6 +17,11 @@ weights; a file part `=w`, default 1): the part of each training position is a s
 part's held-out share is its weight's share of `eval_size` (an empty share is an error). Every item carries its
 verifier: reasoning-gym's own per task; a file row's `verifier` field, else the file's `@verifier`, else
 `file_verifier` (none of them: an error, not a silent default).
+
+An `env:<name>` part is an environment's tasks (services/episodes.py): item i asks the environment service for
+the task it draws from seed `seed * 1_000_000 + i` (ground truth `{"seed": n}`, verifier `env:<name>`; the
+replica runs its episodes), the held-out ones from seeds past EVAL_SEED_OFFSET: seeds never drawn for training
+(an environment with few distinct tasks may still draw one twice; the built-in ones have millions).
 
 reasoning-gym items are generated from Random(seed + i), so two datasets with close seeds overlap
 almost entirely: the evaluation split is drawn from a far-away seed, and any question that also
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -286,6 +293,31 @@ def distinct_prompts(items: Sequence[Item]) -> int:
     return items.distinct if isinstance(items, _Mixed) else len(items)
 
 
+class _EnvItems(Sequence[Item]):
+    """The tasks an environment draws from a range of seeds, made on access."""
+
+    def __init__(self, name: str, first_seed: int, size: int):
+        self.name, self.first, self.size = name, first_seed, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> Item:  # type: ignore[override]
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        seed = self.first + i
+        return Item(f"env/{self.name}/{seed}", f"[{self.name} task of seed {seed}]", json.dumps({"seed": seed}),
+                    f"env:{self.name}", f"env/{self.name}")  # fmt: skip
+
+
+def env_source(name: str, *, size: int, seed: int, eval_size: int) -> Source:
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", name):
+        raise ValueError(f"dataset part env:{name}: not an environment name ([A-Za-z0-9_.:-], 1-64 characters)")
+    train = _EnvItems(name, seed * 1_000_000, size)
+    held_out = _EnvItems(name, EVAL_SEED_OFFSET * 1_000 + seed * 1_000_000, eval_size)
+    return Source(f"env:{name}", train, list(held_out))
+
+
 def check_spec(spec: str) -> list[str]:
     """What can be checked of a dataset spec without reading it: each part's syntax and weight, reasoning-gym task
     names, that files exist. Returns the verifiers the file parts name (`@verifier`), for the caller to check."""
@@ -295,7 +327,9 @@ def check_spec(spec: str) -> list[str]:
     verifiers = []
     for part in parts:
         part_weight(part)
-        if part.startswith("reasoning_gym:"):
+        if part.startswith("env:"):
+            env_source(_env_part(part)[0], size=1, seed=0, eval_size=0)  # the name's syntax
+        elif part.startswith("reasoning_gym:"):
             from reasoning_gym.factory import DATASETS
 
             unknown = sorted(set(parse_tasks(part[len("reasoning_gym:") :])) - set(DATASETS))
@@ -315,7 +349,24 @@ def part_weight(part: str) -> float:
         return sum(parse_tasks(part[len("reasoning_gym:") :]).values())
     if part.startswith("file:"):
         return _file_part(part)[2]
-    raise ValueError(f"dataset {part!r}: use reasoning_gym:<task>[=w,...] or file:<path>[@verifier][=w], ';' between")
+    if part.startswith("env:"):
+        return _env_part(part)[1]
+    raise ValueError(
+        f"dataset {part!r}: use reasoning_gym:<task>[=w,...], file:<path>[@verifier][=w] or env:<name>[=w], "
+        "';' between"
+    )
+
+
+def _env_part(part: str) -> tuple[str, float]:
+    """env:NAME[=WEIGHT] -> (name, weight)."""
+    name, eq, w = part[len("env:") :].partition("=")
+    try:
+        weight = float(w) if eq else 1.0
+    except ValueError:
+        raise ValueError(f"dataset part {part!r}: weight {w!r} is not a number") from None
+    if weight <= 0:
+        raise ValueError(f"dataset part {part!r}: weight must be > 0")
+    return name.strip(), weight
 
 
 def _file_part(part: str) -> tuple[Path, str | None, float]:
@@ -350,6 +401,8 @@ def _load_part(
     if part.startswith("reasoning_gym:"):
         tasks = parse_tasks(part[len("reasoning_gym:") :])
         return reasoning_gym_source(tasks, size=size, seed=seed, eval_size=eval_size, config=config, template=template)
+    if part.startswith("env:"):
+        return env_source(_env_part(part)[0], size=size, seed=seed, eval_size=eval_size)
     path, verifier, _ = _file_part(part)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {path} not found")

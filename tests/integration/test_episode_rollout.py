@@ -25,8 +25,16 @@ from rollout.episodes import Renderer
 from services.child_process import ROOT, child_env, running, wait_ready
 from services.episodes import ChatMessage, ResetResponse
 from services.redis_server import EmbeddedRedis, free_port
-from services.schemas import PromptTask, ScoredGroup, TrainBatch
-from services.streams import DEAD_LETTER_STREAM, STREAM_PROMPTS, StreamProducer, connect, ensure_group
+from services.schemas import EvalResult, PromptTask, ScoredGroup, TrainBatch
+from services.streams import (
+    DEAD_LETTER_STREAM,
+    STREAM_EVAL,
+    STREAM_PROMPTS,
+    StreamProducer,
+    connect,
+    decode,
+    ensure_group,
+)
 from tests.integration.test_rollout_engines import TOL_HF, TOLERANCE, reference_logprobs
 from tests.integration.test_rollout_worker import groups, start, stop, wait_groups
 
@@ -169,3 +177,25 @@ def test_the_environment_service_killed_mid_episode_loses_and_duplicates_nothing
     assert sorted(g.task.task_id for g in got) == sorted(f"e{i}" for i in range(8))  # each once
     assert client.xlen(DEAD_LETTER_STREAM) == 0
     assert all(s.episode and s.episode.ended == "done" for g in got for s in g.samples)
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=VLLM)])
+def test_held_out_environment_tasks_are_evaluated_as_episodes(
+    model_dir: Path, server: EmbeddedRedis, env_url: str, engine: str
+) -> None:
+    """A replica's held-out evaluation of `env:retry`: k episodes per task (with continuous batching: drained
+    first, then turn by turn), success = a positive reward, reported per task."""
+    client = connect(server.url)
+    proc = start(model_dir, server.url, "http://127.0.0.1:9", "r0", "--env-url", env_url, "--eval-every", "1",
+                 "--eval-data", "env:retry", "--eval-size", "3", "--eval-k", "2", engine=engine)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not client.xlen(STREAM_EVAL):
+            assert time.monotonic() < deadline, "no held-out evaluation"
+            assert proc.poll() is None, "the replica exited"
+            time.sleep(0.2)
+    finally:
+        stop(proc)
+    result = decode(client.xrange(STREAM_EVAL)[0][1], EvalResult)
+    assert (result.k, result.n_prompts, list(result.by_task)) == (2, 3, ["env/retry"])
+    assert 0 <= result.avg_at_k <= 1 and result.mean_response_tokens > 0
