@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and print one table (and its JSON)."""
 
-from bench import curriculum, learner, lora, mesh, placement, queue, ranks, reward, rollout, weight_sync
+from bench import curriculum, episodes, learner, lora, mesh, placement, queue, ranks, reward, rollout, weight_sync
 from bench.common import print_table
 
 if __name__ == "__main__":
@@ -14,6 +14,7 @@ if __name__ == "__main__":
         + rollout.run()
         + rollout.dtype_rows()
         + rollout.inflight_rows()
+        + episodes.run()
         + weight_sync.run()
         + lora.run()
         + mesh.run()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from services.episodes import ChatMessage, EnvSpec, StepResponse, ToolCall, ToolFunction, ToolSpec, ToolStats
-from services.tool_calls import parse_calls, render_call
+from services.tool_calls import parse_calls, parse_tag_calls, render_call, render_tag_call
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,9 @@ class Environment:
         raise NotImplementedError
 
     @property
-    def tool_format(self) -> Literal["hermes", "none"]:
+    def tool_format(self) -> Literal["hermes", "tags", "none"]:
+        """How the model writes calls: `hermes` (JSON) by default when there are tools; an environment whose tools
+        each take one string may say `tags`."""
         return "hermes" if self.tools() else "none"
 
     def spec(self) -> EnvSpec:
@@ -95,8 +97,12 @@ class Environment:
     def step(self, state: Any, message: ChatMessage, turn: int) -> StepResponse:
         """One model turn: its tool calls run, or its answer judged; cut at max_turns."""
         calls, malformed = list(message.tool_calls or []), []
-        if not calls and self.tool_format == "hermes":
-            parsed = parse_calls(message.content, prefix=f"call_{turn}")
+        if not calls and self.tool_format != "none":
+            parsed = (
+                parse_calls(message.content, prefix=f"call_{turn}")
+                if self.tool_format == "hermes"
+                else parse_tag_calls(message.content, self._single_arguments(), prefix=f"call_{turn}")
+            )
             calls, malformed = parsed.calls, parsed.malformed
         if calls or malformed:
             stats = ToolStats(malformed=len(malformed))
@@ -109,8 +115,21 @@ class Environment:
             out.done, out.truncated, out.reward = True, True, self.failure_reward
         return out
 
+    def _single_arguments(self) -> dict[str, str]:
+        """tool -> the name of its one argument (the `tags` format)."""
+        out = {}
+        for t in self.tools():
+            params = list(t.spec.function.parameters.get("properties", {}))
+            if len(params) == 1:
+                out[t.spec.function.name] = params[0]
+        return out
+
     def _malformed(self, why: str) -> ChatMessage:
-        example = render_call("tool_name", {"argument": "value"})
+        example = (
+            render_call("tool_name", {"argument": "value"})
+            if self.tool_format == "hermes"
+            else render_tag_call(next(iter(self._single_arguments()), "tool"), "argument")
+        )
         return ChatMessage(role="tool", content=f"error: your tool call could not be read: {why}. Write:\n{example}")
 
     def _run(self, call: ToolCall, stats: ToolStats) -> ChatMessage:

@@ -7,8 +7,8 @@ Exit status 0 when every check passes. What it checks (docs/services/environment
   - per environment: a reset from a seed opens an episode; the same reset again answers the same opening, the same
     id for another seed is 409; a step out of order is 409; each step answers a StepResponse, a retried step the
     same one; the episode is done by `max_turns` (truncated if the task did not end it), and a step after is 409;
-  - with tools in the `hermes` format: a malformed call and an unknown tool come back as messages to the model,
-    counted, the episode going on;
+  - with tools: a malformed call (and in the `hermes` format an unknown tool) comes back as a message to the
+    model, counted, the episode going on;
   - DELETE forgets the episode (a step then is 404, a second DELETE 404); unknown environment and episode 404;
     a body that does not validate 422.
 The checker only speaks HTTP and reads answers with services/episodes.py: a server in any language can be checked.
@@ -121,7 +121,7 @@ class Checker:
             lambda: self._play(eid, spec),
         )
         self.check(f"{spec.name}: DELETE forgets the episode", lambda: self._delete(eid))
-        if spec.tool_format == "hermes" and spec.max_turns > 1:
+        if spec.tool_format != "none" and spec.tools and spec.max_turns > 1:
             self.check(f"{spec.name}: bad tool calls come back to the model, counted", lambda: self._bad_tools(spec))
 
     def _same(self, a: ResetResponse, b: ResetResponse) -> None:
@@ -146,6 +146,13 @@ class Checker:
     def _bad_tools(self, spec: EnvSpec) -> None:
         eid = f"conformance-{uuid.uuid4().hex[:12]}"
         self.reset(spec.name, 3, eid)
+        if spec.tool_format == "tags":  # <name>argument</name>: an unknown tag is text, an unclosed one malformed
+            name = spec.tools[0].function.name
+            out = self.step(eid, 1, f"<{name}>never closed")
+            assert out is not None and not out.done and out.error is None, f"a malformed call ended it: {out}"
+            assert out.tools.malformed == 1 and out.messages, f"a malformed call: {out.tools}"
+            self.http.delete(f"/v1/episodes/{eid}")
+            return
         out = self.step(eid, 1, "<tool_call>{not json</tool_call>")
         assert out is not None and not out.done and out.error is None, f"a malformed call ended the episode: {out}"
         assert out.tools.malformed == 1 and out.messages, f"a malformed call: {out.tools}, {len(out.messages)} messages"

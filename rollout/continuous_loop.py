@@ -155,7 +155,7 @@ class ContinuousLoop:
         environment instead of a busy loop."""
         if self._episodes is None or not self._episodes.pending():
             return
-        self._episodes.advance(self.engine)
+        self._episodes.advance(self.engine, self.r.s.max_in_flight - self.engine.in_flight())
         self.m.in_flight.set(self.engine.in_flight())
         if not self.engine.in_flight() and not self._episodes.ready:
             self._episodes.wait(0.05)

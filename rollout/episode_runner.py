@@ -210,10 +210,12 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ the engine side
 
-    def advance(self, engine: ContinuousBatching) -> None:
-        """Collect the environment's answers and submit every model turn that is ready."""
+    def advance(self, engine: ContinuousBatching, room: int | None = None) -> None:
+        """Collect the environment's answers and submit the model turns that are ready, `room` at most (the others
+        wait for room in the engine, first come first served)."""
         self.collect()
-        ready, self.ready = self.ready, []
+        ready = self.ready if room is None else self.ready[: max(0, room)]
+        self.ready = self.ready[len(ready) :]
         for lv in ready:
             if lv.group.failed is not None:
                 self._drop(lv)

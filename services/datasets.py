@@ -352,8 +352,7 @@ def part_weight(part: str) -> float:
     if part.startswith("env:"):
         return _env_part(part)[1]
     raise ValueError(
-        f"dataset {part!r}: use reasoning_gym:<task>[=w,...], file:<path>[@verifier][=w] or env:<name>[=w], "
-        "';' between"
+        f"dataset {part!r}: use reasoning_gym:<task>[=w,...], file:<path>[@verifier][=w] or env:<name>[=w], ';' between"
     )
 
 

@@ -81,10 +81,11 @@ class EnvSpec(_Open):
     name: str = Field(pattern=NAME_PATTERN)
     description: str = Field("", max_length=4096)
     tools: list[ToolSpec] = Field(default_factory=list)
-    tool_format: Literal["hermes", "none"] = Field(
+    tool_format: Literal["hermes", "tags", "none"] = Field(
         "none",
         description='How the model writes a call in its text: `hermes` = <tool_call>{"name": ..., "arguments": '
-        "{...}}</tool_call> (services/tool_calls.py); the server parses them when a step gives no `tool_calls`.",
+        "{...}}</tool_call>; `tags` = <name>argument</name>, for tools of one string argument "
+        "(services/tool_calls.py); the server parses them when a step gives no `tool_calls`.",
     )
     max_turns: int = Field(ge=1, le=1024, description="Model turns after which the episode ends, truncated.")
 

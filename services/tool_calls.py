@@ -1,4 +1,4 @@
-"""Tool calls written in a model's text, in the `hermes` format (Hermes, Qwen2.5/3 and many chat templates):
+"""Tool calls written in a model's text. The `hermes` format (Hermes, Qwen2.5/3 and many chat templates):
 
     <tool_call>
     {"name": "calculator", "arguments": {"expression": "417 * 38"}}
@@ -6,7 +6,8 @@
 
 `parse_calls(text)` finds every call; a block that is not such a JSON object (or is never closed) is reported
 as malformed with the reason, never raised. `instructions(tools)` is the paragraph an environment puts in its
-system prompt for a model whose chat template has no tool support of its own (SmolLM2's has none).
+system prompt for a model whose chat template has no tool support of its own (SmolLM2's has none). The `tags`
+format, for tools of one string argument, is `<calculator>417 * 38</calculator>` (`parse_tag_calls`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,29 @@ def parse_calls(text: str, prefix: str = "call") -> ParsedCalls:
         name = obj["name"][:256]
         out.calls.append(ToolCall(id=f"{prefix}_{i}", function=CalledFunction(name=name, arguments=json.dumps(args))))
     return out
+
+
+def parse_tag_calls(text: str, tools: dict[str, str], prefix: str = "call") -> ParsedCalls:
+    """The `tags` format, for tools of one string argument: `<calculator>12 * 34</calculator>` calls `calculator`
+    with that text as its argument (`tools`: name -> the argument's name). Simpler for a small model than JSON, as
+    Search-R1's <search>...</search>; a tag that names no tool is text, an opened tool tag never closed is
+    malformed."""
+    out = ParsedCalls()
+    if not tools:
+        return out
+    names = "|".join(re.escape(n) for n in sorted(tools, key=len, reverse=True))
+    for i, m in enumerate(re.finditer(rf"<({names})>(.*?)(?:</\1>|$)", text, re.DOTALL)):
+        name = m.group(1)
+        if not m.group(0).endswith(f"</{name}>"):
+            out.malformed.append(f"a <{name}> is never closed with </{name}>")
+            continue
+        args = {tools[name]: m.group(2).strip()}
+        out.calls.append(ToolCall(id=f"{prefix}_{i}", function=CalledFunction(name=name, arguments=json.dumps(args))))
+    return out
+
+
+def render_tag_call(name: str, argument: str) -> str:
+    return f"<{name}>{argument}</{name}>"
 
 
 def render_call(name: str, arguments: dict[str, Any]) -> str:

@@ -1,7 +1,9 @@
 """`retry`: a question the model may answer up to three times, told after each wrong answer that it was wrong.
 
-A task is a sum of three or four 2-digit numbers ("Calculate 47 + 86 - 39."). Right at any attempt: +1 and
-done; wrong: "That is not right. Try again." until the last attempt, which ends the episode at -1.
+A task is a sum or difference of two 2-digit numbers ("Calculate 47 + 86."). Right at any attempt: +1 and done;
+wrong: "That is not right. Try again." until the last attempt, which ends the episode at -1. SmolLM2-135M-Instruct,
+held-out avg@4 (32 tasks, k = 4, temperature 1, 128 tokens a turn): 4.7% (pass@4 12.5%); with three or four terms
+it scored 0.4%.
 """
 
 from __future__ import annotations
@@ -23,14 +25,12 @@ class RetryTask(BaseModel):
 
 class Retry(Environment):
     name = "retry"
-    description = "A 2-digit sum, up to 3 attempts with feedback; +1 when right, -1 after the last wrong attempt."
+    description = "a ± b (2 digits each), up to 3 attempts with feedback; +1 when right, -1 after the last wrong one."
     max_turns = 3
 
     def draw(self, seed: int) -> dict[str, Any]:
         rng = random.Random(seed)
-        terms = [str(rng.randint(10, 99)) for _ in range(rng.choice((3, 4)))]
-        expr = terms[0] + "".join(f" {rng.choice('+-')} {t}" for t in terms[1:])
-        return {"expression": expr}
+        return {"expression": f"{rng.randint(10, 99)} {rng.choice('+-')} {rng.randint(10, 99)}"}
 
     def check(self, task: dict[str, Any]) -> dict[str, Any]:
         parsed = RetryTask.model_validate(task)

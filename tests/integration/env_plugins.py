@@ -1,12 +1,12 @@
 """Environments loaded into the environment service by the tests (--env-classes tests.integration.env_plugins:X):
-one that hangs in its step, one that raises. What they stand for: a user's environment with a bug."""
+one that hangs in its step, one that raises (a user's environment with a bug), one with a JSON-called tool."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from env_server.base import Environment, Outcome, user
+from env_server.base import Environment, Outcome, Tool, user
 from services.episodes import ChatMessage
 
 
@@ -36,3 +36,20 @@ class Broken(_Plain):
 
     def answer(self, state: Any, text: str, turn: int) -> Outcome:
         raise RuntimeError("a bug in the environment")
+
+
+def capital(country: str) -> str:
+    return {"France": "Paris", "Japan": "Tokyo"}[country]
+
+
+class Lookup(_Plain):
+    """A tool in the hermes (JSON) format: capital(country)."""
+
+    name = "lookup"
+    max_turns = 3
+
+    def tools(self) -> list[Tool]:
+        return [Tool.of(capital, "The capital of a country.", {"country": {"type": "string"}})]
+
+    def answer(self, state: Any, text: str, turn: int) -> Outcome:
+        return Outcome(reward=1.0 if "Paris" in text else -1.0, done=True)

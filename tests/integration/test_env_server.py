@@ -77,12 +77,10 @@ def test_a_third_party_server_from_the_docs_passes_and_a_broken_one_does_not() -
 
 def test_calculator_a_tool_call_then_the_answer(http: httpx.Client) -> None:
     opening = reset(http, "calculator", task={"expression": "417 * 38 + 123"})
-    assert opening.messages[0].role == "system" and "<tool_call>" in opening.messages[0].content
-    assert opening.messages[-1].content == "What is 417 * 38 + 123?"
+    assert opening.messages[-1].content.startswith("What is 417 * 38 + 123? Use the calculator")
+    assert "<calculator>12 * 34</calculator>" in opening.messages[-1].content  # the format, by example
     assert [t.function.name for t in opening.tools] == ["calculator"]
-    out = step(
-        http, opening.episode_id, 1, "Let me compute. " + render_call("calculator", {"expression": "417*38+123"})
-    )
+    out = step(http, opening.episode_id, 1, "Let me compute. <calculator>417*38+123</calculator>")
     assert not out.done and out.tools.valid == 1 and out.reward is None
     assert out.messages[0].role == "tool" and out.messages[0].content == "15969"
     assert out.messages[0].name == "calculator" and out.messages[0].tool_call_id == "call_1_0"
@@ -96,14 +94,28 @@ def test_calculator_a_tool_call_then_the_answer(http: httpx.Client) -> None:
 
 def test_calculator_tool_errors_reach_the_model_and_turns_run_out(http: httpx.Client) -> None:
     eid = reset(http, "calculator", seed=7).episode_id
-    out = step(http, eid, 1, render_call("calculator", {"expression": "__import__('os').system('id')"}))
+    out = step(http, eid, 1, "<calculator>__import__('os').system('id')</calculator>")
     assert out.tools.failed == 1 and "error: calculator failed" in out.messages[0].content and not out.done
-    out = step(http, eid, 2, render_call("calculator", {"expr": "1+1"}))  # wrong argument name
-    assert out.tools.failed == 1 and "unexpected keyword" in out.messages[0].content
-    out = step(http, eid, 3, render_call("calculator", {"expression": "1+1"}) + render_call("web_search", {}))
-    assert (out.tools.valid, out.tools.unknown) == (1, 1) and len(out.messages) == 2
-    out = step(http, eid, 4, render_call("calculator", {"expression": "2+2"}))
+    out = step(http, eid, 2, "<calculator>1 + </calculator>")
+    assert out.tools.failed == 1 and "not an arithmetic expression" in out.messages[0].content
+    out = step(http, eid, 3, "<calculator>1+1</calculator> and <calculator>2 * (3")
+    assert (out.tools.valid, out.tools.malformed) == (1, 1) and len(out.messages) == 2
+    assert "never closed" in out.messages[0].content and out.messages[1].content == "2"
+    out = step(http, eid, 4, "<calculator>2+2</calculator>")
     assert out.done and out.truncated and out.reward == -1.0  # max_turns = 4, still calling tools
+
+
+def test_hermes_tool_calls_reach_the_tools_and_their_errors_the_model() -> None:
+    """The JSON format (the default of an environment with tools), on a user's environment loaded by the service."""
+    args = ("--env-classes", "tests.integration.env_plugins:Lookup")
+    with running("env_server", *args, ready_path="/readyz") as (base, _), httpx.Client(base_url=base) as http:
+        eid = reset(http, "lookup", seed=1).episode_id
+        out = step(http, eid, 1, render_call("capital", {"country": "France"}) + render_call("web_search", {}))
+        assert (out.tools.valid, out.tools.unknown) == (1, 1) and out.messages[0].content == "Paris"
+        assert "there is no tool 'web_search'" in out.messages[1].content
+        out = step(http, eid, 2, render_call("capital", {"state": "France"}))  # a wrong argument name
+        assert out.tools.failed == 1 and "unexpected keyword" in out.messages[0].content
+        assert Checker(base).run(["lookup"]).ok
 
 
 def test_retry_feedback_until_right_or_out_of_attempts(http: httpx.Client) -> None:
@@ -172,8 +184,8 @@ def test_capacity_and_idle_expiry() -> None:
 
 def test_metrics_count_episodes_turns_and_tool_calls(http: httpx.Client) -> None:
     eid = reset(http, "calculator", task={"expression": "2 * 3 + 4"}).episode_id
-    step(http, eid, 1, "<tool_call>{oops</tool_call>")
-    step(http, eid, 2, render_call("calculator", {"expression": "2*3+4"}))
+    step(http, eid, 1, "<calculator>oops")
+    step(http, eid, 2, "<calculator>2*3+4</calculator>")
     step(http, eid, 3, "Answer: 10")
     m = http.get("/metrics").text
     for line in ('dapo_env_tool_calls_total{env="calculator",outcome="malformed"}',

@@ -12,7 +12,7 @@ from env_server.builtins.arith import evaluate, final_number
 from env_server.builtins.calculator import Calculator
 from env_server.builtins.retry import Retry
 from services.episodes import CalledFunction, ChatMessage, ToolCall
-from services.tool_calls import instructions, parse_calls, render_call
+from services.tool_calls import instructions, parse_calls, parse_tag_calls, render_call
 
 
 def test_parse_calls_reads_every_call_and_says_why_one_is_unreadable() -> None:
@@ -68,7 +68,7 @@ def test_step_runs_tools_judges_answers_and_cuts_at_max_turns() -> None:
     out = env.step(state, given, 1)  # calls given as tool_calls (a client that parsed them) are used as they are
     assert out.messages[0].content == "130" and out.messages[0].tool_call_id == "c9" and out.tools.valid == 1
     assert env.step(state, ChatMessage(role="assistant", content="Answer: 130"), 2).reward == 1.0
-    cut = env.step(state, ChatMessage(role="assistant", content=render_call("calculator", {"expression": "1"})), 4)
+    cut = env.step(state, ChatMessage(role="assistant", content="<calculator>1</calculator>"), 4)
     assert cut.done and cut.truncated and cut.reward == env.failure_reward
 
 
@@ -77,3 +77,10 @@ def test_drawn_tasks_are_stable_per_seed_and_answerable() -> None:
         assert env.draw(5) == env.draw(5) != env.draw(6)
         assert env.check(env.draw(5)) == env.draw(5)
         assert evaluate(env.draw(5)["expression"])
+
+
+def test_parse_tag_calls_reads_tools_of_one_argument() -> None:
+    parsed = parse_tag_calls("a <calculator> 2 * 3 </calculator> <b>bold</b> <calculator>4 +", {"calculator": "x"})
+    assert [json.loads(c.function.arguments) for c in parsed.calls] == [{"x": "2 * 3"}]
+    assert parsed.malformed == ["a <calculator> is never closed with </calculator>"]
+    assert not parse_tag_calls("<b>only text</b>", {"calculator": "x"}).any
