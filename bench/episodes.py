@@ -2,7 +2,7 @@
 turns (rollout/episode_runner.py as the replica's continuous loop drives it: an episode waiting for its environment
 leaves the engine, the others generate) against the loop that waits for every episode of a batch to finish a turn
 before the next turn (`run_turn_by_turn`, batches of as many episodes as the engine's bound). The same engine
-(vLLM, SmolLM2-135M), the same bound on sequences in the engine, the same episodes: 4 model turns of 32 tokens
+(vLLM, SmolLM2-135M), the same bound on sequences in the engine, the same episodes: 4 model turns of 16 tokens
 each (ignore_eos: lengths as set), the real environment service over HTTP (bench/envs.py's Latency).
 
     python -m bench.episodes
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.common import Result, print_table
 
-EPISODES = {"episodes": 64, "turns": 4, "tokens": 32, "bound": 16, "latencies": "0.1,1.0"}
+EPISODES = {"episodes": 64, "turns": 4, "tokens": 16, "bound": 16, "latencies": "0.1,1.0"}
 
 SCRIPT = """
 import json, sys, time
@@ -50,16 +50,20 @@ if __name__ == "__main__":
                                verifier="env:latency", data_source="env/latency", n_samples=1)
                 r.start(Delivery(str(i), t, 1), params)
             return r
-        for seconds in map(float, latencies.split(",")):
-            t0 = time.perf_counter()
-            r = runner(seconds, f"c{seconds}", 0, n)
+        def continuous(r):
             while r.pending():
                 r.advance(engine, bound - engine.in_flight())
                 for key, outs in engine.step():
                     r.engine_done(key, outs[0], engine.version)
                 if not engine.in_flight() and not r.ready:
                     r.wait(0.01)
-            cont = (len(r.take_finished()), time.perf_counter() - t0)
+            return len(r.take_finished())
+        continuous(runner(0.0, "warm", 0, bound))  # the engine's first batches of each size compile: not timed
+        run_turn_by_turn(engine.chunked, runner(0.0, "warm-t", 0, bound))
+        for seconds in map(float, latencies.split(",")):
+            t0 = time.perf_counter()
+            r = runner(seconds, f"c{seconds}", 0, n)
+            cont = (continuous(r), time.perf_counter() - t0)
             t0, done = time.perf_counter(), 0
             for first in range(0, n, bound):
                 r = runner(seconds, f"s{seconds}", first, min(bound, n - first))

@@ -37,13 +37,13 @@ SYNC_PORT = "sync"  # the learner's weight-sync rendezvous, in the ports mapping
 
 @dataclass(frozen=True)
 class ServiceCommand:
-    name: str  # reward, buffer, learner, rollout-0, rollout-1, ...
+    name: str  # reward, env, buffer, learner, rollout-0, rollout-1, ...
     args: tuple[str, ...]  # after `python -m <module>`
     env: dict[str, str] = field(default_factory=dict)  # added to the mesh's own environment
 
     @property
     def service(self) -> Service:
-        """reward, buffer, learner or rollout: the preset section and the package."""
+        """reward, env, buffer, learner or rollout: the preset section and the package."""
         return _service(self.name)
 
     @property
@@ -55,7 +55,13 @@ class ServiceCommand:
 
 
 def service_names(cfg: MeshConfig) -> list[str]:
-    return ["reward", "buffer", "learner", *(f"rollout-{i}" for i in range(cfg.replicas))]
+    env = ["env"] if uses_envs(cfg) else []
+    return ["reward", *env, "buffer", "learner", *(f"rollout-{i}" for i in range(cfg.replicas))]
+
+
+def uses_envs(cfg: MeshConfig) -> bool:
+    """The dataset has environment tasks (env:<name> parts): the mesh runs the environment service."""
+    return any(part.strip().startswith("env:") for part in cfg.dataset.split(";"))
 
 
 def allocate_ports(cfg: MeshConfig) -> dict[str, int]:
@@ -79,6 +85,7 @@ def service_values(cfg: MeshConfig, model_dir: Path, ports: Mapping[str, int]) -
     cores = split_cores() if cfg.placement == "split" else None
     out: dict[str, dict[str, Any]] = {
         "reward": {"port": ports["reward"], "workers": 1},
+        **({"env": {"port": ports["env"]}} if uses_envs(cfg) else {}),
         "buffer": {
             "port": ports["buffer"],
             "run_dir": run.buffer,
@@ -114,6 +121,7 @@ def service_values(cfg: MeshConfig, model_dir: Path, ports: Mapping[str, int]) -
             "engine": cfg.engine,
             "model_dir": model_dir,
             "reward_url": f"http://127.0.0.1:{ports['reward']}",
+            **({"env_url": f"http://127.0.0.1:{ports['env']}"} if uses_envs(cfg) else {}),
             "weights_dir": run.snapshots,
             "replica_id": name,
             "max_response_tokens": cfg.max_response_tokens,

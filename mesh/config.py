@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from buffer.settings import BufferSettings
+from env_server.settings import EnvSettings
 from learner.settings import LearnerSettings
 from reward_server.settings import RewardSettings
 from rollout.settings import RolloutSettings
@@ -43,8 +44,8 @@ from services.child_process import ROOT
 from services.settings import secret_fields
 
 DEFAULT_PRESET = ROOT / "configs" / "dapo.toml"  # what `dapo-mesh up` runs without --config
-Service = Literal["reward", "buffer", "learner", "rollout"]
-SERVICES: tuple[Service, ...] = ("reward", "buffer", "learner", "rollout")
+Service = Literal["reward", "env", "buffer", "learner", "rollout"]
+SERVICES: tuple[Service, ...] = ("reward", "env", "buffer", "learner", "rollout")
 
 
 # set on each section itself: pydantic merges model_config along the bases, and the service's class (a later base)
@@ -74,6 +75,10 @@ class RewardSection(_PresetSection, RewardSettings):
     model_config = _SECTION_CONFIG
 
 
+class EnvSection(_PresetSection, EnvSettings):
+    model_config = _SECTION_CONFIG
+
+
 class BufferSection(_PresetSection, BufferSettings):
     model_config = _SECTION_CONFIG
 
@@ -88,6 +93,7 @@ class RolloutSection(_PresetSection, RolloutSettings):
 
 SECTIONS: dict[Service, type[_PresetSection]] = {
     "reward": RewardSection,
+    "env": EnvSection,
     "buffer": BufferSection,
     "learner": LearnerSection,
     "rollout": RolloutSection,
@@ -99,6 +105,7 @@ SECTIONS: dict[Service, type[_PresetSection]] = {
 _WIRING: dict[str, str | None] = dict.fromkeys(["port", "host", "redis_url", "insecure", "run_dir", "model_dir"])
 _FROM_MESH: dict[Service, dict[str, str | None]] = {
     "reward": {},
+    "env": {},
     "buffer": {
         "dataset": "dataset",
         "n_samples": "n_samples",
@@ -125,6 +132,7 @@ _FROM_MESH: dict[Service, dict[str, str | None]] = {
         "dtype": "dtype",
         "sync_broadcast": "transport",
         "reward_url": None,
+        "env_url": None,
         "weights_dir": None,
         "replica_id": None,
         "eval_every": "eval_every",
@@ -215,6 +223,9 @@ class MeshConfig(BaseModel):
         "full fine-tuning.",
     )
     reward: RewardSection = Field(default_factory=RewardSection, description="The reward server's settings.")
+    env: EnvSection = Field(
+        default_factory=EnvSection, description="The environment service's (started when the dataset has env: parts)."
+    )
     buffer: BufferSection = Field(default_factory=BufferSection, description="The buffer's settings.")
     learner: LearnerSection = Field(default_factory=LearnerSection, description="The learner's settings.")
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Every rollout replica's settings.")
