@@ -3,7 +3,8 @@
 app = build_app(EnvSettings())      # python -m env_server runs it under uvicorn
 
 Status codes: 404 an unknown environment or episode; 409 a step out of order, on a finished episode, or a reset
-reusing an id for another task; 422 a body or task that does not validate; 429 (Retry-After) no room for another
+reusing an id for another task, a retried step that asks with another message; 422 a body or task that does not
+validate; 429 (Retry-After) no room for another
 episode or no worker free in time. An environment that fails or hangs in a step ends that episode with
 `error` set (200): the model is not to blame, the episode is not to be trained.
 """
@@ -102,6 +103,12 @@ class Service:
             raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(e), headers=RETRY_AFTER) from None
         except (ValueError, TypeError, KeyError) as e:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"task: {e}"[:2000]) from None
+        except NotImplementedError:
+            how = "draws no task from a seed: give a task" if req.seed is not None else "takes no explicit task"
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"{env.name} {how}") from None
+        except Exception as e:  # the environment's bug: said, logged, and not worth a retry (500)
+            log.exception("%s failed to reset", env.name)
+            raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, f"{env.name} failed to reset: {e}") from None
         except TimeoutError:
             late = f"{env.name} took over {self.settings.step_timeout_s:g} s to reset"
             raise HTTPException(status.HTTP_504_GATEWAY_TIMEOUT, late) from None
@@ -114,13 +121,15 @@ class Service:
         ep = self._episode(episode_id)
         async with ep.lock:
             if ep.last is not None and req.turn == ep.turn:
+                if req.message.content != ep.last_message:
+                    raise HTTPException(status.HTTP_409_CONFLICT, f"turn {req.turn} was answered for another message")
                 return ep.last  # a retried step
             if ep.done:
                 raise HTTPException(status.HTTP_409_CONFLICT, f"episode {episode_id!r} is done (turn {ep.turn})")
             if req.turn != ep.turn + 1:
                 raise HTTPException(status.HTTP_409_CONFLICT, f"turn {req.turn}: the next turn is {ep.turn + 1}")
             out = await self._run_step(ep, req)
-            ep.turn, ep.last = req.turn, out
+            ep.turn, ep.last, ep.last_message = req.turn, out, req.message.content
             self._count(ep, out)
             return out
 

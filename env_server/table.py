@@ -41,11 +41,18 @@ class Episode:
     turn: int = 0
     last: StepResponse | None = None
     touched: float = field(default_factory=time.monotonic)
+    last_message: str = ""  # the content the last answered turn was asked with (a retry must ask the same)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def done(self) -> bool:
         return self.last is not None and self.last.done
+
+
+@dataclass
+class _Call:
+    late: bool = False  # ran past its timeout (counted stuck until it returns)
+    freed: bool = False  # returned, its slot given back
 
 
 class Workers:
@@ -63,19 +70,20 @@ class Workers:
             await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
         except TimeoutError:
             raise Busy(f"all {self.n} environment workers stayed busy for {self.queue_timeout_s:g} s") from None
-        loop, t0, late = asyncio.get_running_loop(), time.perf_counter(), [False]
+        loop, t0, state = asyncio.get_running_loop(), time.perf_counter(), _Call()
         self.held += 1
 
         def release(_: Future[T]) -> None:  # in the worker thread, when the code returns (even long after)
-            loop.call_soon_threadsafe(self._free, late[0])
+            loop.call_soon_threadsafe(self._free, state)
 
         future = self._pool.submit(fn, *args)
         future.add_done_callback(release)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
         except TimeoutError:
-            late[0] = True
-            self.stuck += 1
+            if not state.freed:  # it may have returned just as the timeout fired: then it is not stuck
+                state.late = True
+                self.stuck += 1
             self.metrics.timeouts.labels(env).inc()
             log.warning("%s %s of %s ran past %g s: the episode ends with an error", kind, fn.__name__, env,
                         self.timeout_s)  # fmt: skip
@@ -83,9 +91,11 @@ class Workers:
         finally:
             self.metrics.step_seconds.labels(env, kind).observe(time.perf_counter() - t0)
 
-    def _free(self, was_late: bool) -> None:
+    def _free(self, state: _Call) -> None:
+        """On the event loop, as every change of `state`: the order of a timeout and a return is the loop's."""
+        state.freed = True
         self.held -= 1
-        if was_late:
+        if state.late:
             self.stuck -= 1
         self._slots.release()
 

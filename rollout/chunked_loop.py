@@ -54,7 +54,7 @@ class ChunkedLoop:
         runner = self._episodes
         for d in deliveries:
             runner.start(d, self.r.call_params([d.message]))
-        run_turn_by_turn(self.engine, runner)
+        run_turn_by_turn(self.engine, runner, keep_alive=self.r.consumer.keep_alive)
         for d, why in runner.take_failed():
             self.r.consumer.dead_letter([d], "env_failed", why)
         tok = self.engine.tokenizer

@@ -74,8 +74,9 @@ class ContinuousLoop:
         self.r.membership.tokens_per_s = self.window.account(self.idle)
         self.sync_weights()
         published = self.publish_finished() + self.publish_episodes()
+        self.advance_episodes()  # episodes' next turns take the engine's room before new prompts do
         self.admit(wait=not published)
-        self.advance_episodes()
+        self.wait_for_environments()
         self.advance_evaluation()
         self.idle = not self.engine.in_flight()  # then nothing runs until the next call (a read waited instead)
         for key, outs in self.engine.step():
@@ -151,13 +152,17 @@ class ContinuousLoop:
         return True
 
     def advance_episodes(self) -> None:
-        """Environment answers in, model turns submitted; with nothing in the engine, a short wait for the
-        environment instead of a busy loop."""
+        """Environment answers in, model turns submitted (none while a weight load waits for a drain: the turns in
+        the engine finish, the next ones wait for the load)."""
         if self._episodes is None or not self._episodes.pending():
             return
-        self._episodes.advance(self.engine, self.r.s.max_in_flight - self.engine.in_flight())
+        room = 0 if self.waiting_load else self.r.s.max_in_flight - self.engine.in_flight()
+        self._episodes.advance(self.engine, room)
         self.m.in_flight.set(self.engine.in_flight())
-        if not self.engine.in_flight() and not self._episodes.ready:
+
+    def wait_for_environments(self) -> None:
+        """Nothing in the engine, episodes waiting for their environment: a short wait, not a busy loop."""
+        if self._episodes is not None and not self.engine.in_flight() and not self._episodes.ready:
             self._episodes.wait(0.05)
 
     def publish_episodes(self) -> int:
@@ -239,7 +244,7 @@ class ContinuousLoop:
         if self.r.s.eval_mode == "stop" or self.eval_waiting or self._env_held_out(version):
             # stop the world: drain, then the chunked, seeded evaluation (held-out episodes always run so)
             self.eval_waiting = True
-            if not self.engine.in_flight():
+            if not self.engine.in_flight() and not self._episodes_pending():  # episodes too: their prompts wait
                 ev.run_seeded(self.engine.chunked)  # `dapo-mesh eval`'s numbers for these weights and seed
                 self.eval_waiting = False
             return False

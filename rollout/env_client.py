@@ -1,16 +1,17 @@
 """Client of an environment service (the dapo-env/1 protocol, services/episodes.py), as the replica uses it.
 
     envs = EnvClient("http://env-server:8005", token=..., timeout_s=60, retries=4)
-    opening = envs.reset("calculator", {"seed": 17}, episode_id="t-9/3/0")    # the base URL it went to: opening.base
-    out = envs.step(opening.base, "t-9/3/0", turn=1, content=text)
-    envs.close(opening.base, "t-9/3/0")
+    opening = envs.reset("calculator", {"seed": 17}, episode_id="t-9.ab12.3.0")  # its instance: opening.base
+    out = envs.step(opening.base, "t-9.ab12.3.0", turn=1, content=text)
+    envs.close(opening.base, "t-9.ab12.3.0")
 
-Every call has a timeout and bounded retries with backoff on a transport error, a 429 (after its Retry-After)
-and a 5xx; resets and steps are safe to retry (the protocol answers a repeated one the same). An episode lives in
-one instance: its steps go to the address its reset went to. When the service's host name resolves to several
-addresses (a headless Service, compose replicas), each reset goes to the next one, so the episodes spread and an
-episode begun again after its instance died goes elsewhere. `EnvUnavailable`: no answer after the retries;
-`EnvRejected`: a 4xx (a task the environment refuses, an episode the instance no longer has).
+Every call has a timeout and bounded retries with backoff on a transport error, a 429 and a 502/503/504 (a 500
+is the environment's own failure: not retried, the episode is begun again); resets and steps are safe to retry
+(the protocol answers a repeated one the same). An episode lives in one instance: its steps go to the address its
+reset went to. When the service's host name resolves to several addresses (a headless Service, compose
+replicas), each reset goes to the next one, so the episodes spread and an episode begun again after its instance
+died goes elsewhere. `EnvUnavailable`: no answer after the retries; `EnvRejected`: a 4xx or a 500 (a task the
+environment refuses, an episode the instance no longer has, an environment that failed).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class EnvRejected(RuntimeError):
 def _retryable(e: BaseException) -> bool:
     if isinstance(e, httpx.TransportError):
         return True
-    return isinstance(e, httpx.HTTPStatusError) and e.response.status_code in (429, 500, 502, 503, 504)
+    return isinstance(e, httpx.HTTPStatusError) and e.response.status_code in (429, 502, 503, 504)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class EnvClient:
         )
         def once() -> Any:
             r = self.http.request(method, url, json=body)
-            if r.status_code == 429 or r.status_code >= 500:
+            if r.status_code in (429, 502, 503, 504):
                 r.raise_for_status()
             return r
 

@@ -31,6 +31,8 @@ import json
 import logging
 import re
 import time
+import uuid
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,8 +64,10 @@ def env_task(task: PromptTask) -> tuple[str, dict[str, Any]] | None:
     return name, {k: spec[k] for k in ("seed", "task") if k in spec}
 
 
-def episode_id(task_id: str, j: int, attempt: int) -> str:
-    return f"{re.sub(r'[^A-Za-z0-9_.:-]', '-', task_id)[:100]}.{j}.{attempt}"
+def episode_id(task_id: str, nonce: str, j: int, attempt: int) -> str:
+    """Unique per group rollout (`nonce`): a prompt rolled out again (reclaimed by another replica, an evaluation
+    retried) never meets the episodes of an earlier rollout on the service."""
+    return f"{re.sub(r'[^A-Za-z0-9_.:-]', '-', task_id)[:80]}.{nonce}.{j}.{attempt}"
 
 
 @dataclass
@@ -74,6 +78,7 @@ class _Group:
     params: SamplingParams
     done: list[Episode | None]
     failed: str | None = None
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
 
 
 @dataclass
@@ -88,7 +93,7 @@ class _Live:
 
     @property
     def id(self) -> str:
-        return episode_id(self.group.delivery.message.task_id, self.j, self.attempt)
+        return episode_id(self.group.delivery.message.task_id, self.group.nonce, self.j, self.attempt)
 
 
 class EpisodeRunner:
@@ -97,6 +102,7 @@ class EpisodeRunner:
         token = s.env_token.get_secret_value() if s.env_token else None
         self.client = client or EnvClient(s.env_url, token=token, timeout_s=s.env_timeout_s, retries=s.env_retries)
         self.render = Renderer(tokenizer, s.chat_template)
+        self.render_problem = self.render.problem()  # a chat template that cannot be continued token-exactly
         self.pool = ThreadPoolExecutor(s.env_concurrency, thread_name_prefix="env")
         self.calls: dict[Future[Any], _Live] = {}  # environment calls in flight
         self.ready: list[_Live] = []  # episodes whose next model turn awaits submission
@@ -111,6 +117,9 @@ class EpisodeRunner:
         assert spec is not None, "not an environment task"
         g = _Group(d, spec[0], spec[1], params, [None] * d.message.n_samples)
         self.groups.append(g)
+        if self.render_problem:
+            g.failed = self.render_problem  # dead-lettered with the reason at the next take_failed()
+            return
         for j in range(d.message.n_samples):
             self._reset(_Live(g, j))
 
@@ -147,18 +156,22 @@ class EpisodeRunner:
             waited = time.perf_counter() - lv.t0
             self.m.episode_seconds.labels("env").inc(waited)
             try:
-                out = fut.result()
+                self._collected(lv, fut.result(), waited)
             except (EnvUnavailable, EnvRejected) as e:
                 self._fail(lv, str(e))
-                continue
-            if lv.ep is not None:
-                lv.ep.env_seconds += waited
-            if isinstance(out, Opening):
-                lv.base = out.base
-                lv.ep = Episode(env=lv.group.env, opening=self.render.opening(out.response.messages))
-                self.ready.append(lv)
-            else:
-                self._answered(lv, out)
+            except Exception as e:  # an answer that does not read, a template that cannot render it: not retried
+                log.exception("episode %s failed", lv.id)
+                self._fail(lv, f"{type(e).__name__}: {e}", retry=False)
+
+    def _collected(self, lv: _Live, out: Any, waited: float) -> None:
+        if lv.ep is not None:
+            lv.ep.env_seconds += waited
+        if isinstance(out, Opening):
+            lv.base = out.base
+            lv.ep = Episode(env=lv.group.env, opening=self.render.opening(out.response.messages))
+            self.ready.append(lv)
+        else:
+            self._answered(lv, out)
 
     def _answered(self, lv: _Live, out: StepResponse) -> None:
         ep = lv.ep
@@ -196,12 +209,12 @@ class EpisodeRunner:
         self.m.episode_turns.labels(lv.group.env).observe(ep.model_turns)
         self.pool.submit(self.client.close, lv.base, lv.id)
 
-    def _fail(self, lv: _Live, why: str) -> None:
+    def _fail(self, lv: _Live, why: str, retry: bool = True) -> None:
         self.live -= 1
         self.m.episodes.labels(lv.group.env, "failed").inc()
         if lv.base:
             self.pool.submit(self.client.close, lv.base, lv.id)
-        if lv.attempt < self.s.episode_retries and lv.group.failed is None:
+        if retry and lv.attempt < self.s.episode_retries and lv.group.failed is None:
             log.warning("episode %s failed (%s); beginning it again", lv.id, why)
             self._reset(dataclasses.replace(lv, attempt=lv.attempt + 1, base=""))
         elif lv.group.failed is None:
@@ -292,17 +305,19 @@ def run_items(
     for i, task in enumerate(tasks):
         runner.start(Delivery(f"eval-{i}", task, 1), params)
     run_turn_by_turn(engine, runner)
-    failed = runner.take_failed()
+    failed, finished = runner.take_failed(), runner.take_finished()
     if failed:
         raise EnvUnavailable(f"{len(failed)} held-out tasks' episodes failed; the first: {failed[0][1]}")
-    return {d.message.task_id: eps for d, eps in runner.take_finished()}
+    return {d.message.task_id: eps for d, eps in finished}
 
 
-def run_turn_by_turn(engine: Engine, runner: EpisodeRunner) -> None:
+def run_turn_by_turn(engine: Engine, runner: EpisodeRunner, keep_alive: Callable[[], object] = lambda: None) -> None:
     """Every episode the runner holds, to its end, on an engine called in chunks: each round, one engine call for
-    every episode whose turn is next (sampled with the first one's group's parameters, each turn at most their
-    max_tokens), then every environment step of the round before the next round."""
+    every episode whose turn is next (sampled with the first one's group's parameters; one call per distinct
+    turn budget, so no episode passes --max-episode-tokens), then every environment step of the round before the
+    next round. `keep_alive` is called every round (the prompts in flight stay this replica's)."""
     while runner.pending():
+        keep_alive()
         runner.wait(timeout_s=1.0)
         runner.collect()
         if runner.calls:  # the round's environment calls: all of them before the next engine call
@@ -313,11 +328,20 @@ def run_turn_by_turn(engine: Engine, runner: EpisodeRunner) -> None:
         ready = [lv for lv in ready if lv.group.failed is None]
         if not ready:
             continue
-        prompts = [lv.ep.prompt_ids() for lv in ready if lv.ep is not None]
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, 1, ready[0].group.params)
-        for lv, out in zip(ready, outs, strict=True):
-            key = f"x/{lv.id}/{lv.turn}"
-            runner.generating[key] = lv
-            lv.t0 = t0
-            runner.engine_done(key, out[0], engine.version)
+        params = ready[0].group.params
+        budget = {id(lv): min(params.max_tokens, runner.s.max_episode_tokens - len(lv.ep.ids)) for lv in ready if lv.ep}
+        for room in sorted(set(budget.values()), reverse=True):
+            part = [lv for lv in ready if budget[id(lv)] == room]
+            if room <= 0:
+                for lv in part:
+                    runner._cut(lv)
+                continue
+            t0 = time.perf_counter()
+            outs = engine.generate(
+                [lv.ep.prompt_ids() for lv in part if lv.ep], 1, dataclasses.replace(params, max_tokens=room)
+            )
+            for lv, out in zip(part, outs, strict=True):
+                key = f"x/{lv.id}/{lv.turn}"
+                runner.generating[key] = lv
+                lv.t0 = t0
+                runner.engine_done(key, out[0], engine.version)

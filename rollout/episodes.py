@@ -34,6 +34,16 @@ class Renderer:
         self.tok = tokenizer
         self.template = chat_template and bool(getattr(tokenizer, "chat_template", None))
 
+    def problem(self) -> str | None:
+        """Why this chat template cannot be continued token-exactly (None: it can). A template that renders an
+        earlier turn differently once more turns follow (Qwen3 drops the last assistant turn's empty <think> block)
+        would make the learner train on tokens the model never saw."""
+        try:
+            self.continuation([], "length", [ChatMessage(role="user", content="probe")])
+        except ValueError as e:
+            return str(e)
+        return None
+
     def _apply(self, messages: list[dict[str, Any]], generation: bool) -> str:
         out = self.tok.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
         return str(out)

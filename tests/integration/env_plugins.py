@@ -53,3 +53,18 @@ class Lookup(_Plain):
 
     def answer(self, state: Any, text: str, turn: int) -> Outcome:
         return Outcome(reward=1.0 if "Paris" in text else -1.0, done=True)
+
+
+class TasksOnly(Environment):
+    """Takes explicit tasks only (no `draw`): a reset from a seed is the client's mistake."""
+
+    name = "tasks-only"
+
+    def check(self, task: dict[str, Any]) -> dict[str, Any]:
+        return dict(task)
+
+    def start(self, task: dict[str, Any]) -> tuple[list[ChatMessage], Any]:
+        return [user("Say anything.")], task
+
+    def answer(self, state: Any, text: str, turn: int) -> Outcome:
+        return Outcome(reward=1.0, done=True)

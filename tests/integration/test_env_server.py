@@ -21,7 +21,7 @@ from services.tool_calls import render_call
 from tests.integration.third_party_env import serve
 
 TOKEN = "env-token-0123456789"
-PLUGINS = "tests.integration.env_plugins:Sleepy,tests.integration.env_plugins:Broken"
+PLUGINS = ",".join(f"tests.integration.env_plugins:{c}" for c in ("Sleepy", "Broken", "TasksOnly"))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def step(http: httpx.Client, eid: str, turn: int, content: str) -> StepResponse:
 
 
 def test_the_built_in_service_passes_the_conformance_checker(env_url: str) -> None:
-    report = Checker(env_url, TOKEN).run(["calculator", "retry"])  # not the tests' broken ones
+    report = Checker(env_url, TOKEN).run(["calculator", "retry"])  # not the tests' odd ones
     assert report.ok, report.failed
     for env in ("calculator", "retry"):
         assert f"{env}: steps until done within max_turns; a retried step answers the same" in report.passed
@@ -116,6 +116,17 @@ def test_hermes_tool_calls_reach_the_tools_and_their_errors_the_model() -> None:
         out = step(http, eid, 2, render_call("capital", {"state": "France"}))  # a wrong argument name
         assert out.tools.failed == 1 and "unexpected keyword" in out.messages[0].content
         assert Checker(base).run(["lookup"]).ok
+
+
+def test_a_retried_step_must_ask_the_same_and_a_seed_needs_an_environment_that_draws(http: httpx.Client) -> None:
+    eid = reset(http, "retry", task={"expression": "47 + 86"}).episode_id
+    first = step(http, eid, 1, "Answer: 100")
+    assert step(http, eid, 1, "Answer: 100") == first  # a retry: the same answer, the environment not run again
+    r = http.post(f"/v1/episodes/{eid}/step", json={"turn": 1, "message": {"role": "assistant", "content": "133"}})
+    assert r.status_code == 409 and "answered for another message" in r.text  # another rollout's turn 1
+    r = http.post("/v1/episodes", json={"env": "tasks-only", "seed": 3})
+    assert r.status_code == 422 and "tasks-only draws no task from a seed" in r.text
+    assert reset(http, "tasks-only", task={"anything": 1}).messages[0].content == "Say anything."
 
 
 def test_retry_feedback_until_right_or_out_of_attempts(http: httpx.Client) -> None:
