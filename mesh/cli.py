@@ -381,7 +381,7 @@ def _episode_runner(
         env = {"DAPO_AUTH_TOKEN": token} if token else {}
         url, _ = stack.enter_context(running("env_server", ready_path="/readyz", env=env, token=token))
     settings = RolloutSettings(env_url=url, env_token=token)  # type: ignore[call-arg]
-    return EpisodeRunner(settings, tokenizer, RolloutMetrics(CollectorRegistry()))
+    return EpisodeRunner(settings, tokenizer, RolloutMetrics(CollectorRegistry()), hold_outages=False)
 
 
 def _not_an_adapter(model_dir: Path) -> None:

@@ -54,7 +54,10 @@ class ChunkedLoop:
         runner = self._episodes
         for d in deliveries:
             runner.start(d, self.r.call_params([d.message]))
-        run_turn_by_turn(self.engine, runner, keep_alive=self.r.consumer.keep_alive)
+        run_turn_by_turn(self.engine, runner, keep_alive=self.r.consumer.keep_alive, stopped=self.r.evaluator.stopping)
+        if runner.client.closing.is_set():  # told to leave mid-way: nothing is published, the prompts stay pending
+            self._episodes = None
+            return 0
         for d, why in runner.take_failed():
             self.r.consumer.dead_letter([d], "env_failed", why)
         tok = self.engine.tokenizer

@@ -62,6 +62,11 @@ class EnvClient:
         self.retries = retries
         self._lock = threading.Lock()
         self._next = itertools.count()
+        self.closing = threading.Event()  # set: retries stop waiting (the replica is leaving)
+
+    def _sleep(self, seconds: float) -> None:
+        if self.closing.wait(seconds):
+            raise EnvUnavailable("leaving")
 
     def instances(self) -> list[str]:
         """The base URL of each instance behind the service's name (just the URL when it names one address)."""
@@ -86,6 +91,7 @@ class EnvClient:
             retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(self.retries + 1),
             wait=wait_exponential_jitter(initial=0.5, max=10),
+            sleep=self._sleep,
             reraise=True,
         )
         def once() -> Any:

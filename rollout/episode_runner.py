@@ -8,10 +8,12 @@ keep generating (continuous batching), and a weight update between two turns giv
 new version. The episode ends when the environment says done (its reward), at `max_turns` (the environment cuts
 it), or when its tokens would pass `--max-episode-tokens` (cut here: `max_tokens`, the reward of a failure).
 
-An environment that fails (no answer after the client's retries, a 4xx such as a lost episode after its instance
-died, or `error` in a step) fails the episode: it is begun again from its reset, under a new id (so on another
-instance when there are several), up to `--episode-retries` times; then the whole prompt is dead-lettered
-(`env_failed`) — nothing of a failed episode is ever published.
+An environment that fails (a 4xx such as a lost episode after its instance died, a 500, or `error` in a step)
+fails the episode: it is begun again from its reset, under a new id (so on another instance when there are
+several), up to `--episode-retries` times; then the whole prompt is dead-lettered (`env_failed`) — nothing of a
+failed episode is ever published. A service that does not answer at all after the client's retries is an outage,
+not the prompt's fault: the episode is begun again after a backoff (2, 4, ... 30 s), as long as it takes, its
+prompt pending and kept alive.
 
     runner = EpisodeRunner(settings, tokenizer, metrics)
     runner.start(delivery, params)         # G episodes of an env task, sampled with `params`
@@ -48,6 +50,7 @@ from services.streams import Delivery
 
 log = logging.getLogger(__name__)
 ENV_PREFIX = "env:"
+OUTAGE_BACKOFF_MAX_S = 30.0
 
 
 def env_task(task: PromptTask) -> tuple[str, dict[str, Any]] | None:
@@ -64,10 +67,10 @@ def env_task(task: PromptTask) -> tuple[str, dict[str, Any]] | None:
     return name, {k: spec[k] for k in ("seed", "task") if k in spec}
 
 
-def episode_id(task_id: str, nonce: str, j: int, attempt: int) -> str:
-    """Unique per group rollout (`nonce`): a prompt rolled out again (reclaimed by another replica, an evaluation
-    retried) never meets the episodes of an earlier rollout on the service."""
-    return f"{re.sub(r'[^A-Za-z0-9_.:-]', '-', task_id)[:80]}.{nonce}.{j}.{attempt}"
+def episode_id(task_id: str, nonce: str, j: int, start: int) -> str:
+    """Unique per group rollout (`nonce`) and per start of the episode: a prompt rolled out again (reclaimed by
+    another replica, an evaluation retried) or an episode begun again never meets an earlier one on the service."""
+    return f"{re.sub(r'[^A-Za-z0-9_.:-]', '-', task_id)[:80]}.{nonce}.{j}.{start}"
 
 
 @dataclass
@@ -85,7 +88,9 @@ class _Group:
 class _Live:
     group: _Group
     j: int
-    attempt: int = 0
+    attempt: int = 0  # failures of the environment (bounded by --episode-retries)
+    starts: int = 0  # times begun: failures and outages
+    outages: int = 0  # the service unreachable (not bounded: an outage is not the prompt's fault)
     ep: Episode | None = None
     base: str = ""
     turn: int = 0  # model turns taken
@@ -93,12 +98,22 @@ class _Live:
 
     @property
     def id(self) -> str:
-        return episode_id(self.group.delivery.message.task_id, self.group.nonce, self.j, self.attempt)
+        return episode_id(self.group.delivery.message.task_id, self.group.nonce, self.j, self.starts)
 
 
 class EpisodeRunner:
-    def __init__(self, s: RolloutSettings, tokenizer: Any, metrics: RolloutMetrics, client: EnvClient | None = None):
-        self.s, self.m, self.tok = s, metrics, tokenizer
+    def __init__(
+        self,
+        s: RolloutSettings,
+        tokenizer: Any,
+        metrics: RolloutMetrics,
+        client: EnvClient | None = None,
+        *,
+        hold_outages: bool = True,
+    ):
+        """`hold_outages`: an unreachable service begins episodes again until it answers (training); False: the
+        episode fails at once (an evaluation is postponed instead)."""
+        self.s, self.m, self.tok, self.hold_outages = s, metrics, tokenizer, hold_outages
         token = s.env_token.get_secret_value() if s.env_token else None
         self.client = client or EnvClient(s.env_url, token=token, timeout_s=s.env_timeout_s, retries=s.env_retries)
         self.render = Renderer(tokenizer, s.chat_template)
@@ -123,11 +138,18 @@ class EpisodeRunner:
         for j in range(d.message.n_samples):
             self._reset(_Live(g, j))
 
-    def _reset(self, lv: _Live) -> None:
+    def _reset(self, lv: _Live, delay_s: float = 0.0) -> None:
         self.live += 1
         self.m.episodes_live.set(self.live)
         lv.ep, lv.turn, lv.t0 = None, 0, time.perf_counter()
-        self.calls[self.pool.submit(self._timed, "reset", self.client.reset, lv.group.env, lv.group.body, lv.id)] = lv
+        args = (lv.group.env, lv.group.body, lv.id)
+        self.calls[self.pool.submit(self._timed, "reset", self._later, delay_s, self.client.reset, *args)] = lv
+
+    def _later(self, delay_s: float, fn: Any, *args: Any) -> Any:
+        """fn(*args) after `delay_s` (EnvUnavailable at once when the runner closes meanwhile)."""
+        if delay_s > 0 and self.client.closing.wait(delay_s):
+            raise EnvUnavailable("leaving")
+        return fn(*args)
 
     def _timed(self, kind: str, fn: Any, *args: Any) -> Any:
         t0 = time.perf_counter()
@@ -157,7 +179,9 @@ class EpisodeRunner:
             self.m.episode_seconds.labels("env").inc(waited)
             try:
                 self._collected(lv, fut.result(), waited)
-            except (EnvUnavailable, EnvRejected) as e:
+            except EnvUnavailable as e:
+                self._outage(lv, str(e))
+            except EnvRejected as e:
                 self._fail(lv, str(e))
             except Exception as e:  # an answer that does not read, a template that cannot render it: not retried
                 log.exception("episode %s failed", lv.id)
@@ -216,10 +240,27 @@ class EpisodeRunner:
             self.pool.submit(self.client.close, lv.base, lv.id)
         if retry and lv.attempt < self.s.episode_retries and lv.group.failed is None:
             log.warning("episode %s failed (%s); beginning it again", lv.id, why)
-            self._reset(dataclasses.replace(lv, attempt=lv.attempt + 1, base=""))
+            self._reset(dataclasses.replace(lv, attempt=lv.attempt + 1, starts=lv.starts + 1, base=""))
         elif lv.group.failed is None:
             lv.group.failed = f"episode {lv.j} failed {lv.attempt + 1} times; the last: {why}"[:1000]
         self.m.episodes_live.set(self.live)
+
+    def _outage(self, lv: _Live, why: str) -> None:
+        """The service did not answer after the client's retries: the episode is begun again after a backoff, as
+        often as it takes (its prompt stays pending and kept alive, never dead-lettered for an outage — as groups
+        are held through a reward-server outage); a runner that is closing lets it go."""
+        if not self.hold_outages:
+            self._fail(lv, why, retry=False)
+            return
+        self.live -= 1
+        self.m.episodes.labels(lv.group.env, "failed").inc()
+        self.m.episodes_live.set(self.live)
+        if self.client.closing.is_set() or lv.group.failed is not None:
+            return
+        delay = min(OUTAGE_BACKOFF_MAX_S, 2.0 ** min(lv.outages, 5))
+        log.warning("episode %s: the environment service is unreachable (%s); beginning it again in %.0f s", lv.id,
+                    why, delay)  # fmt: skip
+        self._reset(dataclasses.replace(lv, outages=lv.outages + 1, starts=lv.starts + 1, base=""), delay)
 
     # ------------------------------------------------------------------ the engine side
 
@@ -294,6 +335,8 @@ class EpisodeRunner:
         return [(g.delivery, g.failed or "") for g in out]
 
     def close(self) -> None:
+        """Leaving: waits and retries end at once, nothing new starts; the prompts stay pending for another replica."""
+        self.client.closing.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -311,12 +354,21 @@ def run_items(
     return {d.message.task_id: eps for d, eps in finished}
 
 
-def run_turn_by_turn(engine: Engine, runner: EpisodeRunner, keep_alive: Callable[[], object] = lambda: None) -> None:
+def run_turn_by_turn(
+    engine: Engine,
+    runner: EpisodeRunner,
+    keep_alive: Callable[[], object] = lambda: None,
+    stopped: Callable[[], bool] = lambda: False,
+) -> None:
     """Every episode the runner holds, to its end, on an engine called in chunks: each round, one engine call for
     every episode whose turn is next (sampled with the first one's group's parameters; one call per distinct
     turn budget, so no episode passes --max-episode-tokens), then every environment step of the round before the
-    next round. `keep_alive` is called every round (the prompts in flight stay this replica's)."""
+    next round. `keep_alive` is called every round (the prompts in flight stay this replica's); once `stopped()`,
+    the runner is closed and the episodes left where they are (their prompts stay pending)."""
     while runner.pending():
+        if stopped():
+            runner.close()
+            return
         keep_alive()
         runner.wait(timeout_s=1.0)
         runner.collect()

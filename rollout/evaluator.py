@@ -50,7 +50,7 @@ class Evaluator:
 
     def episodes(self, engine: Engine) -> EpisodeRunner:
         if self._episodes is None:
-            self._episodes = EpisodeRunner(self.s, engine.tokenizer, self.m)
+            self._episodes = EpisodeRunner(self.s, engine.tokenizer, self.m, hold_outages=False)
         return self._episodes
 
     def has_env_items(self) -> bool:

@@ -119,25 +119,52 @@ def dead_letters(client: redis.Redis) -> list[dict[bytes, bytes]]:
 
 
 def test_an_environment_that_fails_is_begun_again_then_dead_lettered(model_dir: Path, server: EmbeddedRedis) -> None:
+    """An environment whose step raises (`error` in the answer): each episode is begun again, then the prompt is
+    dead-lettered with the reason; a malformed environment task is dead-lettered at once."""
     client = connect(server.url)
     ensure_group(client, STREAM_PROMPTS, "rollout")
+    broken = [t.model_copy(update={"verifier": "env:broken"}) for t in env_tasks(2)]
     bad = env_tasks(1)[0].model_copy(update={"task_id": "bad", "ground_truth": "17"})
-    StreamProducer(client, STREAM_PROMPTS).publish_many([*env_tasks(2), bad])
-    dead_env = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    proc = start(model_dir, server.url, "http://127.0.0.1:9", "r0", "--env-url", dead_env, "--env-retries", "0",
-                 "--episode-retries", "1")  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while len(dead_letters(client)) < 3:
-            assert time.monotonic() < deadline, f"dead letters: {dead_letters(client)}"
-            time.sleep(0.2)
-    finally:
-        stop(proc)
+    StreamProducer(client, STREAM_PROMPTS).publish_many([*broken, bad])
+    plugins = ("--env-classes", "tests.integration.env_plugins:Broken")
+    with running("env_server", *plugins, ready_path="/readyz") as (url, _):
+        proc = start(model_dir, server.url, "http://127.0.0.1:9", "r0", "--env-url", url, "--episode-retries", "1")
+        try:
+            deadline = time.monotonic() + 120
+            while len(dead_letters(client)) < 3:
+                assert time.monotonic() < deadline, f"dead letters: {dead_letters(client)}"
+                time.sleep(0.2)
+        finally:
+            stop(proc)
     kinds = sorted(f[b"kind"].decode() for f in dead_letters(client))
     assert kinds == ["env_failed", "env_failed", "env_task_invalid"], kinds
     detail = b" ".join(f[b"reason"] for f in dead_letters(client)).decode()
-    assert "failed 2 times" in detail and "no answer after 1 tries" in detail and '{"seed": n}' in detail
+    assert "failed 2 times" in detail and "RuntimeError: a bug in the environment" in detail and '{"seed": n}' in detail
     assert groups(client) == []
+
+
+def test_an_unreachable_environment_service_holds_the_prompts(model_dir: Path, server: EmbeddedRedis,
+                                                              tmp_path: Path) -> None:  # fmt: skip
+    """No environment service at all: an outage, not the prompts' fault — the episodes are begun again with
+    backoff, nothing is dead-lettered, the prompts stay pending (and go to another replica if this one leaves)."""
+    client = connect(server.url)
+    ensure_group(client, STREAM_PROMPTS, "rollout")
+    StreamProducer(client, STREAM_PROMPTS).publish_many(env_tasks(2))
+    log = tmp_path / "r0.log"
+    args = ["--engine", "hf", "--model-dir", str(model_dir), "--redis-url", server.url, "--port", str(free_port()),
+            "--replica-id", "r0", "--env-url", f"http://127.0.0.1:{free_port()}", "--env-retries", "0"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT,
+                            stderr=log.open("wb"))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while log.read_text().count("the environment service is unreachable") < 8:  # 2 prompts x 2 episodes, twice
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+        assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 2
+    finally:
+        stop(proc)
+    assert dead_letters(client) == [] and groups(client) == []
+    assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 2  # left for another replica
 
 
 def test_the_environment_service_killed_mid_episode_loses_and_duplicates_nothing(
