@@ -241,7 +241,12 @@ def test_two_nodes_over_a_veth_link_train_as_one_and_send_the_weights(recorded_r
             nodes += [node(0, here), node(1, there, "ip", "netns", "exec", ns)]
             assert [p.wait(300) for p in nodes] == [0, 0]
             wv = unpack(client.get(KEY_WEIGHTS), WeightVersion)
-            hb = unpack(client.get(REPLICA_KEY_PREFIX + "r"), ReplicaHeartbeat)
+            # the learner publishes a version once the replicas hold it (received, verified); a replica loads it at its
+            # loop's next step and says so in its heartbeat then: wait for that, do not race it
+            deadline = time.monotonic() + 60
+            while (hb := unpack(client.get(REPLICA_KEY_PREFIX + "r"), ReplicaHeartbeat)).weight_version < wv.version:
+                assert time.monotonic() < deadline, f"the replica still serves version {hb.weight_version}"
+                time.sleep(0.2)
         finally:
             for p in [replica, *nodes]:
                 if p.poll() is None:
