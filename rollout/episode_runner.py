@@ -227,23 +227,26 @@ class EpisodeRunner:
         assert ep is not None
         ep.ended = ended  # type: ignore[assignment]
         lv.group.done[lv.j] = ep
+        self._leave(lv, ended)
+        self.m.episode_turns.labels(lv.group.env).observe(ep.model_turns)
+
+    def _leave(self, lv: _Live, ended: str | None) -> None:
+        """An episode is no longer live (ended, failed, or dropped with its group: `ended` None, not counted); the
+        service is told to forget it. Every path out of an episode comes here once."""
         self.live -= 1
         self.m.episodes_live.set(self.live)
-        self.m.episodes.labels(lv.group.env, ended).inc()
-        self.m.episode_turns.labels(lv.group.env).observe(ep.model_turns)
-        self.pool.submit(self.client.close, lv.base, lv.id)
-
-    def _fail(self, lv: _Live, why: str, retry: bool = True) -> None:
-        self.live -= 1
-        self.m.episodes.labels(lv.group.env, "failed").inc()
+        if ended is not None:
+            self.m.episodes.labels(lv.group.env, ended).inc()
         if lv.base:
             self.pool.submit(self.client.close, lv.base, lv.id)
+
+    def _fail(self, lv: _Live, why: str, retry: bool = True) -> None:
+        self._leave(lv, "failed")
         if retry and lv.attempt < self.s.episode_retries and lv.group.failed is None:
             log.warning("episode %s failed (%s); beginning it again", lv.id, why)
             self._reset(dataclasses.replace(lv, attempt=lv.attempt + 1, starts=lv.starts + 1, base=""))
         elif lv.group.failed is None:
             lv.group.failed = f"episode {lv.j} failed {lv.attempt + 1} times; the last: {why}"[:1000]
-        self.m.episodes_live.set(self.live)
 
     def _outage(self, lv: _Live, why: str) -> None:
         """The service did not answer after the client's retries: the episode is begun again after a backoff, as
@@ -252,9 +255,7 @@ class EpisodeRunner:
         if not self.hold_outages:
             self._fail(lv, why, retry=False)
             return
-        self.live -= 1
-        self.m.episodes.labels(lv.group.env, "failed").inc()
-        self.m.episodes_live.set(self.live)
+        self._leave(lv, "failed")
         if self.client.closing.is_set() or lv.group.failed is not None:
             return
         delay = min(OUTAGE_BACKOFF_MAX_S, 2.0 ** min(lv.outages, 5))
@@ -295,10 +296,7 @@ class EpisodeRunner:
 
     def _drop(self, lv: _Live) -> None:
         """An episode of a failed group stops where it is."""
-        self.live -= 1
-        self.m.episodes_live.set(self.live)
-        if lv.base:
-            self.pool.submit(self.client.close, lv.base, lv.id)
+        self._leave(lv, None)
 
     def engine_done(self, key: str, completion: Completion, version: int) -> None:
         lv = self.generating.pop(key)
