@@ -8,6 +8,7 @@ sampled (an episode's environment turns sit in the response as context, with 0: 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
@@ -97,6 +98,26 @@ def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None)
         versions,
         torch.tensor(temps, dtype=torch.float32),
     )
+
+
+def episode_metrics(batch: TrainBatch) -> dict[str, float]:
+    """How the batch's episodes went (none: {}): model turns per episode, the fraction cut at --max-episode-tokens
+    or max_turns (truncated), tool calls per episode by outcome, and the share of their time spent waiting for the
+    environment rather than in the engine."""
+    eps = [s.episode for g in batch.groups for s in g.samples if s.episode is not None]
+    if not eps:
+        return {}
+    n = len(eps)
+    waited, generated = sum(e.env_seconds for e in eps), sum(e.generate_seconds for e in eps)
+    calls = Counter[str]()
+    for e in eps:
+        calls.update(e.tool_calls)
+    return {
+        "episode_turns": sum(e.model_turns for e in eps) / n,
+        "episode_truncated_frac": sum(e.ended != "done" for e in eps) / n,
+        "env_wait_frac": waited / (waited + generated) if waited + generated > 0 else 0.0,
+        **{f"tool_calls/{k}": calls.get(k, 0) / n for k in ("valid", "malformed", "unknown", "failed")},
+    }
 
 
 def minibatches(n: int, count: int, *, generator: torch.Generator | None = None) -> list[torch.Tensor]:

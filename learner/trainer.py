@@ -26,7 +26,7 @@ import torch
 
 from learner import lora
 from learner.advantages import group_advantages
-from learner.batching import BatchTensors, minibatches, to_tensors, token_microbatches
+from learner.batching import BatchTensors, episode_metrics, minibatches, to_tensors, token_microbatches
 from learner.logprobs import chunked_logprobs, logits_transform
 from learner.loss import LOSS_METRICS, loss_sequences, policy_loss, token_logprobs_and_entropy
 from learner.offpolicy import gap_by_lag, gap_metrics, importance_weights, token_versions
@@ -253,6 +253,7 @@ class Trainer:
             "acc_mean": sum(sc.acc for g in batch.groups for sc in g.scores) / max(1, len(t)),
             "entropy": self._entropy,
         } | self._gap
+        out |= episode_metrics(batch)
         return out
 
     def shuffle(self, index: int) -> torch.Generator:

@@ -18,6 +18,22 @@ PANELS = [  # (title, [(key in metrics.jsonl, label)])
     ("filtered by dynamic sampling", [("filtered_frac", "fraction of groups")]),
     ("seconds per step", [("seconds", "learner"), ("sync_seconds", "weight sync")]),
 ]
+EPISODE_PANELS = [  # drawn when the run trained on episodes (learner/batching.py episode_metrics)
+    (
+        "episodes",
+        [("episode_turns", "model turns per episode"), ("episode_truncated_frac", "truncated (fraction)")],
+    ),
+    (
+        "tool calls per episode; waiting for the environment",
+        [
+            ("tool_calls/valid", "valid"),
+            ("tool_calls/malformed", "malformed"),
+            ("tool_calls/unknown", "unknown"),
+            ("tool_calls/failed", "failed"),
+            ("env_wait_frac", "time waiting for env (fraction)"),
+        ],
+    ),  # fmt: skip
+]
 
 
 def plot(metrics: Path, out: Path) -> Path | None:
@@ -30,10 +46,12 @@ def plot(metrics: Path, out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
+    panels = PANELS + (EPISODE_PANELS if any("episode_turns" in r for r in rows) else [])
+    cols = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(2, cols, figsize=(13 * cols / 3, 7), constrained_layout=True)
     per_task = {"accuracy": "eval_acc/", "filtered by dynamic sampling": "filtered_frac/"}  # + a line per task
     keys = sorted({k for r in rows for k in r})
-    for ax, (title, series) in zip(axes.flat, PANELS, strict=True):
+    for ax, (title, series) in zip(axes.flat, panels, strict=True):
         prefix = per_task.get(title)
         extra = [(k, f"{k.split('/', 1)[1]} ({k.split('/', 1)[0]})") for k in keys if prefix and k.startswith(prefix)]
         for key, label in [*series, *extra]:

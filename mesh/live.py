@@ -83,6 +83,52 @@ def value(states: list[ServiceState], name: str, *, prefix: str = "", how: str =
     return {"sum": sum(vals), "max": max(vals), "min": min(vals), "mean": sum(vals) / len(vals)}[how]
 
 
+def quantile(states: list[ServiceState], name: str, q: float, *, prefix: str = "", **labels: str) -> float:
+    """The q-quantile of a histogram summed over the services, interpolated within its bucket as Prometheus's
+    histogram_quantile does (NaN without observations)."""
+    buckets: dict[float, float] = defaultdict(float)
+    for st in states:
+        if st.name.startswith(prefix):
+            for lab, v in st.metrics.get(f"{name}_bucket", []):
+                if all(lab.get(k) == x for k, x in labels.items()):
+                    buckets[float(lab["le"])] += v
+    edges = sorted(buckets)
+    if not edges or buckets[edges[-1]] <= 0:
+        return math.nan
+    rank, lower, below = q * buckets[edges[-1]], 0.0, 0.0
+    for le in edges:
+        if buckets[le] >= rank:
+            if math.isinf(le):
+                return lower  # in the +Inf bucket: its lower edge, as Prometheus
+            return lower + (le - lower) * (rank - below) / (buckets[le] - below) if buckets[le] > below else le
+        lower, below = le, buckets[le]
+    return lower
+
+
+def episode_numbers(states: list[ServiceState]) -> dict[str, float]:
+    """The replicas' episodes (empty when there are none): ended by outcome, turns per episode, tool calls by
+    outcome, the share of episode time spent waiting for the environment, and its call latency p50 / p99."""
+    ended = {lab["ended"]: 0.0 for st in states for lab, _ in st.metrics.get("dapo_rollout_episodes_total", [])}
+    if not ended:
+        return {}
+    out = {f"episodes/{e}": value(states, "dapo_rollout_episodes_total", prefix="rollout", ended=e) for e in ended}
+    waited = value(states, "dapo_rollout_episode_seconds_total", prefix="rollout", phase="env")
+    generated = value(states, "dapo_rollout_episode_seconds_total", prefix="rollout", phase="generate")
+    turns = value(states, "dapo_rollout_episode_turns_sum", prefix="rollout")
+    finished = value(states, "dapo_rollout_episode_turns_count", prefix="rollout")
+    out |= {
+        "episodes_live": value(states, "dapo_rollout_episodes_live", prefix="rollout"),
+        "episode_turns_mean": turns / finished if finished else math.nan,
+        "env_wait_share": waited / (waited + generated) if waited + generated > 0 else math.nan,
+        "env_step_p50_s": quantile(states, "dapo_rollout_env_step_seconds", 0.5, prefix="rollout", kind="step"),
+        "env_step_p99_s": quantile(states, "dapo_rollout_env_step_seconds", 0.99, prefix="rollout", kind="step"),
+    }
+    for st in states:
+        for lab, v in st.metrics.get("dapo_rollout_tool_calls_total", []) if st.name.startswith("rollout") else []:
+            out[f"tool_calls_total/{lab['outcome']}"] = out.get(f"tool_calls_total/{lab['outcome']}", 0.0) + v
+    return out
+
+
 def mesh_numbers(states: list[ServiceState]) -> dict[str, float]:
     """The mesh-wide numbers the live view and metrics.jsonl carry."""
     received = value(states, "dapo_buffer_groups_received_total", prefix="buffer")
@@ -110,6 +156,7 @@ def mesh_numbers(states: list[ServiceState]) -> dict[str, float]:
         else math.nan,
         "reward_items": value(states, "dapo_reward_items_total", prefix="reward"),
         **curriculum_numbers(states),
+        **episode_numbers(states),
     }
 
 
@@ -148,6 +195,28 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     return format(x, spec)
+
+
+def episode_table(n: dict[str, float]) -> Table | None:
+    """The live view's episodes row (None when the mesh runs none): counts since the replicas started."""
+    if "episode_turns_mean" not in n:
+        return None
+    ended = {k.split("/", 1)[1]: v for k, v in n.items() if k.startswith("episodes/")}
+    total = sum(v for v in ended.values() if not math.isnan(v))
+    calls = {k.split("/", 1)[1]: v for k, v in n.items() if k.startswith("tool_calls_total/")}
+    t = Table("episodes", "live", "turns/episode", "truncated", "failed", "tool calls", "waiting for env",
+              "env step p50 / p99 s", title="episodes", title_justify="left")  # fmt: skip
+    t.add_row(
+        _fmt(total, ".0f"),
+        _fmt(n.get("episodes_live"), ".0f"),
+        _fmt(n.get("episode_turns_mean"), ".2f"),
+        _fmt((ended.get("max_turns", 0.0) + ended.get("max_tokens", 0.0)) / total if total else math.nan, ".0%"),
+        _fmt(ended.get("failed", 0.0), ".0f"),
+        " ".join(f"{k} {v:.0f}" for k, v in sorted(calls.items())) or "-",
+        _fmt(n.get("env_wait_share"), ".0%"),
+        f"{_fmt(n.get('env_step_p50_s'), '.3f')} / {_fmt(n.get('env_step_p99_s'), '.3f')}",
+    )
+    return t
 
 
 class LiveView:
@@ -208,6 +277,7 @@ class LiveView:
         for t in sorted(k.split("/", 1)[1] for k in n if k.startswith("filtered_frac/")):
             tasks.add_row(t, _fmt(n.get(f"filtered_frac/{t}"), ".0%"), _fmt(n.get(f"groups_kept/{t}"), ".0f"),
                           _fmt(n.get(f"skipped/{t}"), ".0f"), _fmt(n.get(f"heldout/{t}")))  # fmt: skip
+        episodes = episode_table(n)
         bands = "  ".join(f"{k.split('/', 1)[1]} {v:.0f}" for k, v in n.items() if k.startswith("band/"))
         if "predicted_filtered_frac" in n:
             bands += (f"   curriculum: predicted filtered {n['predicted_filtered_frac']:.0%}, observed "
@@ -219,6 +289,8 @@ class LiveView:
         parts: list[Any] = [self.progress, train]
         if tasks.row_count:
             parts.append(tasks)
+        if episodes is not None:
+            parts.append(episodes)
         if bands:
             parts.append(f"prompts by band: {bands}")
         return Group(*parts, health)

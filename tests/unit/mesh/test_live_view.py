@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from mesh import curves
-from mesh.live import LiveView, ServiceState, mesh_numbers
+from mesh.live import LiveView, ServiceState, mesh_numbers, quantile
 from mesh.recorder import row as metrics_row
 from services.schemas import LedgerEntry
 
@@ -113,3 +113,85 @@ def test_curves_draw_a_line_per_task(tmp_path: Path) -> None:
     finally:
         matplotlib.axes.Axes.plot = real  # type: ignore[method-assign]
     assert {"x (eval_acc)", "y (eval_acc)", "x (filtered_frac)", "y (filtered_frac)"} <= set(seen)
+
+
+def episode_states() -> list[ServiceState]:
+    def buckets(counts: list[tuple[str, float]]) -> list[tuple[dict[str, str], float]]:
+        return [({"kind": "step", "le": le}, v) for le, v in counts] + [({"kind": "reset", "le": "+Inf"}, 50.0)]
+
+    r0 = ServiceState("rollout-0", 2, True, True, "ready", {
+        "dapo_rollout_episodes_total": [({"env": "retry", "ended": "done"}, 30.0),
+                                        ({"env": "retry", "ended": "max_tokens"}, 8.0),
+                                        ({"env": "retry", "ended": "failed"}, 2.0)],
+        "dapo_rollout_episode_turns_sum": [({"env": "retry"}, 76.0)],
+        "dapo_rollout_episode_turns_count": [({"env": "retry"}, 38.0)],
+        "dapo_rollout_episode_seconds_total": [({"phase": "env"}, 30.0), ({"phase": "generate"}, 90.0)],
+        "dapo_rollout_tool_calls_total": [({"outcome": "valid"}, 12.0), ({"outcome": "malformed"}, 3.0)],
+        "dapo_rollout_episodes_live": [({}, 5.0)],
+        "dapo_rollout_env_step_seconds_bucket": buckets([("0.1", 50.0), ("1.0", 98.0), ("+Inf", 100.0)]),
+    })  # fmt: skip
+    r1 = ServiceState("rollout-1", 3, True, True, "ready", {
+        "dapo_rollout_tool_calls_total": [({"outcome": "valid"}, 8.0)],
+        "dapo_rollout_env_step_seconds_bucket": buckets([("0.1", 0.0), ("1.0", 0.0), ("+Inf", 0.0)]),
+    })  # fmt: skip
+    return [r0, r1]
+
+
+def test_episode_numbers_and_view() -> None:
+    n = mesh_numbers(episode_states())
+    assert n["episodes/done"] == 30.0 and n["episodes/max_tokens"] == 8.0 and n["episode_turns_mean"] == 2.0
+    assert n["env_wait_share"] == 0.25 and n["tool_calls_total/valid"] == 20.0 and n["episodes_live"] == 5.0
+    # 100 step calls over both replicas: the median at the 0.1 s edge, p99 halfway into (1, +Inf] -> its lower edge
+    assert math.isclose(n["env_step_p50_s"], 0.1) and n["env_step_p99_s"] == 1.0
+    assert "episode_turns_mean" not in mesh_numbers(states())  # no episodes: no episode numbers
+    view = LiveView(steps=10)
+    view.update(episode_states(), {"reward_mean": 0.1}, 1)
+    console = Console(record=True, width=200)
+    console.print(view.render())
+    text = console.export_text()
+    assert "turns/episode" in text and "2.00" in text and "20%" in text and "valid 20" in text and "25%" in text
+
+
+def test_quantile_interpolates_within_a_bucket() -> None:
+    st = ServiceState("rollout-0", 1, True, True, "", {"h_bucket": [
+        ({"le": "1.0"}, 10.0), ({"le": "2.0"}, 30.0), ({"le": "+Inf"}, 30.0)]})  # fmt: skip
+    assert quantile([st], "h", 0.5) == 1.25 and math.isclose(quantile([st], "h", 0.2), 0.6)
+    assert math.isnan(quantile([st], "nope", 0.5))
+
+
+def test_batch_episode_metrics() -> None:
+    from learner.batching import episode_metrics
+    from services.schemas import EpisodeInfo, Sample, ScoredGroup, TrainBatch
+    from services.selfcheck import example_group
+
+    g = example_group(0, n_samples=2, n_tokens=4)
+    assert episode_metrics(TrainBatch.assemble(0, [g])) == {}  # single-turn samples: no episode numbers
+    infos = [EpisodeInfo(env="calculator", model_turns=3, ended="done", tool_calls={"valid": 2, "malformed": 1},
+                         env_seconds=1.0, generate_seconds=3.0),
+             EpisodeInfo(env="calculator", model_turns=1, ended="max_tokens", generate_seconds=4.0)]  # fmt: skip
+    samples = [Sample.model_validate(s.model_dump() | {"episode": i}) for s, i in zip(g.samples, infos, strict=True)]
+    m = episode_metrics(TrainBatch.assemble(0, [ScoredGroup.model_validate(g.model_dump() | {"samples": samples})]))
+    assert m["episode_turns"] == 2.0 and m["episode_truncated_frac"] == 0.5 and m["env_wait_frac"] == 1 / 8
+    assert m["tool_calls/valid"] == 1.0 and m["tool_calls/malformed"] == 0.5 and m["tool_calls/failed"] == 0.0
+
+
+def test_curves_add_episode_panels(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": i, "reward_mean": 0.1, "episode_turns": 2.0, "tool_calls/valid": i / 3} for i in range(1, 4)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    titles: list[str] = []
+    real = matplotlib.axes.Axes.set_title
+
+    def spy(self, label, *args, **kw):  # type: ignore[no-untyped-def]
+        titles.append(label)
+        return real(self, label, *args, **kw)
+
+    matplotlib.axes.Axes.set_title = spy  # type: ignore[method-assign]
+    try:
+        assert curves.plot(metrics, tmp_path / "c.png") is not None
+    finally:
+        matplotlib.axes.Axes.set_title = real  # type: ignore[method-assign]
+    assert "episodes" in titles and len(titles) == len(curves.PANELS) + len(curves.EPISODE_PANELS)
