@@ -16,7 +16,7 @@ import contextlib
 import importlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, status
@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from env_server.base import Environment
 from env_server.builtins import BUILTIN
 from env_server.metrics import EnvMetrics
+from env_server.openenv import OpenEnv, Unreachable
 from env_server.settings import EnvSettings
 from env_server.table import Busy, Episode, EpisodeTable, Workers
 from services.episodes import Closed, EnvList, ResetRequest, ResetResponse, StepRequest, StepResponse
@@ -34,8 +35,9 @@ log = logging.getLogger(__name__)
 RETRY_AFTER = {"Retry-After": "1"}
 
 
-def load_envs(classes: list[str]) -> dict[str, Environment]:
-    """The built-ins and every `module:Class` given; a bad entry stops the service with a message."""
+def load_envs(classes: Sequence[str], openenv: Sequence[str] = ()) -> dict[str, Environment]:
+    """The built-ins, every `module:Class` given and every OpenEnv server; a bad entry stops the service with a
+    message."""
     found: list[type[Environment]] = list(BUILTIN)
     for entry in classes:
         module, _, name = entry.partition(":")
@@ -46,16 +48,20 @@ def load_envs(classes: list[str]) -> dict[str, Environment]:
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
             raise SystemExit(f"--env-classes {entry!r} is not a subclass of env_server.base.Environment")
         found.append(cls)
+    try:
+        instances = [cls() for cls in found] + [OpenEnv.parse(entry) for entry in openenv]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     envs: dict[str, Environment] = {}
-    for cls in found:
-        if cls.name in envs:
-            raise SystemExit(f"two environments are named {cls.name!r}")
-        envs[cls.name] = cls()
+    for env in instances:
+        if env.name in envs:
+            raise SystemExit(f"two environments are named {env.name!r}")
+        envs[env.name] = env
     return envs
 
 
 def _open(env: Environment, req: ResetRequest, episode_id: str) -> tuple[ResetResponse, Any]:
-    task = env.draw(req.seed) if req.seed is not None else env.check(req.task or {})
+    task = env.draw_for(req.seed, req.split) if req.seed is not None else env.check(req.task or {})
     messages, state = env.start(task)
     tools = [t.spec for t in env.tools()]
     opening = ResetResponse(episode_id=episode_id, env=env.name, task_id=env.task_id(task), messages=messages,
@@ -101,18 +107,21 @@ class Service:
             opening, state = await self.workers.call(env.name, "reset", _open, env, req, episode_id)
         except Busy as e:
             raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(e), headers=RETRY_AFTER) from None
+        except Unreachable as e:  # an upstream environment server (OpenEnv) down: the client may retry
+            raise HTTPException(status.HTTP_502_BAD_GATEWAY, str(e)[:2000]) from None
         except (ValueError, TypeError, KeyError) as e:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"task: {e}"[:2000]) from None
         except NotImplementedError:
             how = "draws no task from a seed: give a task" if req.seed is not None else "takes no explicit task"
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"{env.name} {how}") from None
+        except TimeoutError:  # before Exception, which it is: a slow reset is not a bug in the environment
+            late = f"{env.name} took over {self.settings.step_timeout_s:g} s to reset"
+            raise HTTPException(status.HTTP_504_GATEWAY_TIMEOUT, late) from None
         except Exception as e:  # the environment's bug: said, logged, and not worth a retry (500)
             log.exception("%s failed to reset", env.name)
             raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, f"{env.name} failed to reset: {e}") from None
-        except TimeoutError:
-            late = f"{env.name} took over {self.settings.step_timeout_s:g} s to reset"
-            raise HTTPException(status.HTTP_504_GATEWAY_TIMEOUT, late) from None
         if req.episode_id and (ep := self.table.get(req.episode_id)) is not None:  # the same reset, concurrently
+            env.release(state)  # this one's state is not kept
             return ep.opening if ep.key == req.key() else await self.reset(req)
         self.table.add(Episode(episode_id, env, req.key(), opening, state))
         return opening
@@ -168,7 +177,7 @@ class Service:
 def build_app(settings: EnvSettings) -> FastAPI:
     registry = CollectorRegistry()
     metrics = EnvMetrics(registry)
-    svc = Service(settings, load_envs(settings.env_classes), metrics)
+    svc = Service(settings, load_envs(settings.env_classes, settings.openenv), metrics)
     env_list = EnvList(envs=[env.spec() for env in svc.envs.values()])
 
     @contextlib.asynccontextmanager

@@ -68,6 +68,20 @@ class Environment:
         """A task drawn from `seed` (the same seed, the same task)."""
         raise NotImplementedError
 
+    def split(self, task: dict[str, Any]) -> Literal["train", "eval"] | None:
+        """The split a task belongs to, for an environment with few distinct tasks that keeps its held-out ones
+        apart (an evaluation must ask questions training never saw); None (the default): any task serves both."""
+        return None
+
+    def draw_for(self, seed: int, split: Literal["train", "eval"]) -> dict[str, Any]:
+        """A task of `split` drawn from `seed`: `draw(seed)`, or, when that task is of the other split, the first of
+        a fixed sequence of further seeds that draws one of this split (the same seed, the same task)."""
+        for k in range(1024):
+            task = self.draw(seed if k == 0 else (seed * 1_000_003 + k) % 2**63)
+            if self.split(task) in (None, split):
+                return task
+        raise ValueError(f"{self.name} drew no {split} task from seed {seed} in 1024 tries")
+
     def check(self, task: dict[str, Any]) -> dict[str, Any]:
         """An explicit task from a client, validated (raise ValueError with a message when it is not one)."""
         raise NotImplementedError
@@ -82,6 +96,10 @@ class Environment:
     def answer(self, state: Any, text: str, turn: int) -> Outcome:
         """The verdict on a model turn that called no tool."""
         raise NotImplementedError
+
+    def release(self, state: Any) -> None:
+        """The episode is over (done, closed or expired): free what its state holds (a session, a sandbox). Called
+        on the service's event loop: hand anything slow to a thread."""
 
     @property
     def tool_format(self) -> Literal["hermes", "tags", "none"]:

@@ -63,8 +63,9 @@ def env_task(task: PromptTask) -> tuple[str, dict[str, Any]] | None:
     except json.JSONDecodeError:
         spec = None
     if not isinstance(spec, dict) or len(spec.keys() & {"seed", "task"}) != 1:
-        raise ValueError(f'{task.verifier}: the ground truth must be {{"seed": n}} or {{"task": {{...}}}}')
-    return name, {k: spec[k] for k in ("seed", "task") if k in spec}
+        want = '{"seed": n[, "split": s]} or {"task": {...}}'
+        raise ValueError(f"{task.verifier}: the ground truth must be {want}")
+    return name, {k: spec[k] for k in ("seed", "task", "split") if k in spec}
 
 
 def episode_id(task_id: str, nonce: str, j: int, start: int) -> str:

@@ -20,8 +20,9 @@ verifier: reasoning-gym's own per task; a file row's `verifier` field, else the 
 
 An `env:<name>` part is an environment's tasks (services/episodes.py): item i asks the environment service for
 the task it draws from seed `seed * 1_000_000 + i` (ground truth `{"seed": n}`, verifier `env:<name>`; the
-replica runs its episodes), the held-out ones from seeds past EVAL_SEED_OFFSET: seeds never drawn for training
-(an environment with few distinct tasks may still draw one twice; the built-in ones have millions).
+replica runs its episodes), the held-out ones from seeds past EVAL_SEED_OFFSET, asked with `"split": "eval"`: an
+environment with few distinct tasks (the built-in ones) keeps its held-out tasks apart, so an evaluation never asks
+a question training saw (env_server/base.py `split`).
 
 reasoning-gym items are generated from Random(seed + i), so two datasets with close seeds overlap
 almost entirely: the evaluation split is drawn from a far-away seed, and any question that also
@@ -296,8 +297,8 @@ def distinct_prompts(items: Sequence[Item]) -> int:
 class _EnvItems(Sequence[Item]):
     """The tasks an environment draws from a range of seeds, made on access."""
 
-    def __init__(self, name: str, first_seed: int, size: int):
-        self.name, self.first, self.size = name, first_seed, size
+    def __init__(self, name: str, first_seed: int, size: int, split: str = "train"):
+        self.name, self.first, self.size, self.split = name, first_seed, size, split
 
     def __len__(self) -> int:
         return self.size
@@ -306,7 +307,8 @@ class _EnvItems(Sequence[Item]):
         if not 0 <= i < self.size:
             raise IndexError(i)
         seed = self.first + i
-        return Item(f"env/{self.name}/{seed}", f"[{self.name} task of seed {seed}]", json.dumps({"seed": seed}),
+        truth = {"seed": seed} | ({"split": self.split} if self.split != "train" else {})
+        return Item(f"env/{self.name}/{seed}", f"[{self.name} task of seed {seed}]", json.dumps(truth),
                     f"env:{self.name}", f"env/{self.name}")  # fmt: skip
 
 
@@ -314,7 +316,7 @@ def env_source(name: str, *, size: int, seed: int, eval_size: int) -> Source:
     if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", name):
         raise ValueError(f"dataset part env:{name}: not an environment name ([A-Za-z0-9_.:-], 1-64 characters)")
     train = _EnvItems(name, seed * 1_000_000, size)
-    held_out = _EnvItems(name, EVAL_SEED_OFFSET * 1_000 + seed * 1_000_000, eval_size)
+    held_out = _EnvItems(name, EVAL_SEED_OFFSET * 1_000 + seed * 1_000_000, eval_size, split="eval")
     return Source(f"env:{name}", train, list(held_out))
 
 

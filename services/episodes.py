@@ -102,6 +102,11 @@ class ResetRequest(_Strict):
     )
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="The environment draws a task from it.")
     task: dict[str, Any] | None = Field(None, description="An explicit task, in the environment's own shape.")
+    split: Literal["train", "eval"] = Field(
+        "train",
+        description="With a seed: the split to draw from. An environment with few distinct tasks keeps its held-out "
+        "ones apart (an evaluation asks `eval`, training `train`); most serve any task to both and ignore it.",
+    )
 
     @model_validator(mode="after")
     def _seed_or_task(self) -> Self:
@@ -111,7 +116,7 @@ class ResetRequest(_Strict):
 
     def key(self) -> str:
         """Identity of what was asked: a retried reset must ask the same thing."""
-        body = json.dumps([self.env, self.seed, self.task], sort_keys=True, default=str)
+        body = json.dumps([self.env, self.seed, self.task, self.split], sort_keys=True, default=str)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import operator
 import re
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 _BIN: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -63,3 +64,11 @@ def final_number(text: str) -> Fraction | None:
         return Fraction(found[-1].replace(",", ""))
     except ValueError:
         return None
+
+
+def split_of(expression: str, *, eval_share: int = 3) -> Literal["train", "eval"]:
+    """The split of a question: one in `eval_share` questions (by a hash; "a + b" and "b + a" are one question)
+    is held out, so that an environment with few distinct tasks never evaluates on one it trained on."""
+    m = re.fullmatch(r"\s*(\d+)\s*([+*])\s*(\d+)\s*", expression)
+    key = f"{min(m[1], m[3], key=int)} {m[2]} {max(m[1], m[3], key=int)}" if m else " ".join(expression.split())
+    return "eval" if int(hashlib.sha256(key.encode()).hexdigest(), 16) % eval_share == 0 else "train"

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from env_server.base import Environment, Outcome, Tool
-from env_server.builtins.arith import evaluate, final_number
+from env_server.builtins.arith import evaluate, final_number, split_of
 from services.episodes import ChatMessage
 from services.tool_calls import render_tag_call
 
@@ -46,6 +46,9 @@ class Calculator(Environment):
     def draw(self, seed: int) -> dict[str, Any]:
         rng = random.Random(seed)
         return {"expression": f"{rng.randint(11, 99)} * {rng.randint(3, 9)}"}
+
+    def split(self, task: dict[str, Any]) -> Literal["train", "eval"]:
+        return split_of(task["expression"])  # few distinct questions: a third held out
 
     def check(self, task: dict[str, Any]) -> dict[str, Any]:
         parsed = CalcTask.model_validate(task)

@@ -22,9 +22,13 @@ class _Plain(Environment):
 
 
 class Sleepy(_Plain):
-    """Takes `seconds` (from the task, default 3) to answer a step."""
+    """Takes `seconds` (from the task, default 3) to answer a step, and `reset_seconds` (default 0) to reset."""
 
     name = "sleepy"
+
+    def start(self, task: dict[str, Any]) -> tuple[list[ChatMessage], Any]:
+        time.sleep(float(task.get("reset_seconds", 0)))
+        return super().start(task)
 
     def answer(self, state: Any, text: str, turn: int) -> Outcome:
         time.sleep(float(state.get("seconds", 3)))

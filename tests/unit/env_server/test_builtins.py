@@ -84,3 +84,36 @@ def test_parse_tag_calls_reads_tools_of_one_argument() -> None:
     assert [json.loads(c.function.arguments) for c in parsed.calls] == [{"x": "2 * 3"}]
     assert parsed.malformed == ["a <calculator> is never closed with </calculator>"]
     assert not parse_tag_calls("<b>only text</b>", {"calculator": "x"}).any
+
+
+def test_held_out_tasks_are_never_drawn_for_training() -> None:
+    """The built-in environments have few distinct questions: an evaluation (split "eval") draws only from a third
+    of them that training never draws ("a + b" and "b + a" being one question), both from any seed."""
+    from env_server.builtins.arith import split_of
+    from services.datasets import env_source
+
+    src = env_source("retry", size=400, seed=1, eval_size=64)
+    truths = [json.loads(it.ground_truth) for it in src.eval]
+    assert all(t["split"] == "eval" for t in truths) and "split" not in json.loads(src.train[0].ground_truth)
+    for env in (Calculator(), Retry()):
+        train = {env.draw_for(json.loads(it.ground_truth)["seed"], "train")["expression"] for it in src.train}
+        held = {env.draw_for(t["seed"], "eval")["expression"] for t in truths}
+        assert len(held) > 20 and len(train) > 3 * 20
+        assert {split_of(e) for e in train} == {"train"} and {split_of(e) for e in held} == {"eval"}
+    assert split_of("7 + 8") == split_of("8 + 7") and split_of("7 * 8") == split_of("8 * 7")
+    assert Retry().draw_for(5, "train") == Retry().draw_for(5, "train")  # the same seed, the same task
+
+
+def test_an_environment_without_splits_serves_any_task_to_both() -> None:
+    class Any_(Retry):
+        def split(self, task):  # type: ignore[no-untyped-def]
+            return None
+
+    assert Any_().draw_for(7, "eval") == Any_().draw(7) == Any_().draw_for(7, "train")
+
+    class Never(Retry):
+        def split(self, task):  # type: ignore[no-untyped-def]
+            return "train"
+
+    with pytest.raises(ValueError, match="no eval task"):
+        Never().draw_for(7, "eval")
