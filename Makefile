@@ -34,6 +34,16 @@ $(STAMP): pyproject.toml Makefile
 	test -f $(VENV)/ref/verl-0.9.1-py3-none-any.whl || $(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps -d $(VENV)/ref "verl==0.9.1"
 	touch $(STAMP)
 
+# a real OpenEnv server (openenv-core, as its users run it) for tests/integration/test_openenv.py, in a venv of its
+# own: openenv-core requires gradio, openai, huggingface_hub, ... it never imports to serve; fastmcp it does
+OPENENV := .venv-openenv
+$(OPENENV)/.dapo-openenv: Makefile
+	test -x $(OPENENV)/bin/python || $(PYTHON) -m venv $(OPENENV)
+	$(OPENENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "openenv-core==0.3.0"
+	$(OPENENV)/bin/python -m pip install --quiet --disable-pip-version-check "fastmcp==4.2.3" "fastapi" "uvicorn" \
+		"websockets" "requests" "httpx" "pyyaml" "pydantic>=2"
+	touch $@
+
 # the static checks of what cannot run here (images, clusters): hadolint and checkov, in a venv of their own
 # (checkov's dependencies must not move the mesh's); tests/integration/test_deploy_static.py runs them
 TOOLS := .venv-tools
@@ -47,10 +57,10 @@ $(TOOLS)/.dapo-tools: Makefile
 up: setup
 	$(BIN)/dapo-mesh up $(ARGS)
 
-test: setup
+test: setup $(OPENENV)/.dapo-openenv
 	$(BIN)/python -m pytest $(ARGS)
 
-test-fast: setup
+test-fast: setup $(OPENENV)/.dapo-openenv
 	$(BIN)/python -m pytest tests/unit tests/integration -m "not slow" $(ARGS)
 
 lint: setup

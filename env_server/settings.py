@@ -26,3 +26,8 @@ class EnvSettings(ServiceSettings):
         default_factory=list,
         description="More environments to serve, as module:Class (an env_server.base.Environment subclass each).",
     )
+    openenv: list[str] = Field(
+        default_factory=list,
+        description="OpenEnv servers to serve as environments, as NAME=URL[?max_turns=N&timeout_s=S&action=FIELD&"
+        "observation=FIELD] (env_server/openenv.py).",
+    )

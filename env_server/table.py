@@ -133,6 +133,10 @@ class EpisodeTable:
             else:
                 outcome = "success" if (last.reward or 0) > 0 else "failure"
         self.metrics.episodes.labels(ep.env.name, outcome).inc()
+        try:
+            ep.env.release(ep.state)
+        except Exception:  # an environment's bug in freeing its state: logged, the service goes on
+            log.exception("%s failed to release episode %s", ep.env.name, ep.id)
         if ep.turn:
             self.metrics.turns.labels(ep.env.name).observe(ep.turn)
 
