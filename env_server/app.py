@@ -103,6 +103,7 @@ class Service:
             raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, full, headers=RETRY_AFTER)
         episode_id = req.episode_id or uuid.uuid4().hex
         assert self.workers is not None
+        self.table.opening += 1
         try:
             opening, state = await self.workers.call(env.name, "reset", _open, env, req, episode_id)
         except Busy as e:
@@ -120,6 +121,8 @@ class Service:
         except Exception as e:  # the environment's bug: said, logged, and not worth a retry (500)
             log.exception("%s failed to reset", env.name)
             raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, f"{env.name} failed to reset: {e}") from None
+        finally:
+            self.table.opening -= 1
         if req.episode_id and (ep := self.table.get(req.episode_id)) is not None:  # the same reset, concurrently
             env.release(state)  # this one's state is not kept
             return ep.opening if ep.key == req.key() else await self.reset(req)

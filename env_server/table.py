@@ -107,6 +107,7 @@ class EpisodeTable:
     def __init__(self, settings: EnvSettings, metrics: EnvMetrics):
         self.settings, self.metrics = settings, metrics
         self.episodes: dict[str, Episode] = {}
+        self.opening = 0  # resets in flight: counted against max_open_episodes before they finish
         metrics.episodes_open.set_function(lambda: len(self.episodes))
 
     def get(self, episode_id: str) -> Episode | None:
@@ -116,7 +117,8 @@ class EpisodeTable:
         return ep
 
     def full(self) -> bool:
-        return len(self.episodes) >= self.settings.max_open_episodes
+        """Room for no more: the episodes held and those being opened (resets in flight) count."""
+        return len(self.episodes) + self.opening >= self.settings.max_open_episodes
 
     def add(self, ep: Episode) -> None:
         self.episodes[ep.id] = ep

@@ -24,7 +24,7 @@ EPISODE_PANELS = [  # drawn when the run trained on episodes (learner/batching.p
         [("episode_turns", "model turns per episode"), ("episode_truncated_frac", "truncated (fraction)")],
     ),
     (
-        "tool calls per episode; waiting for the environment",
+        "tool calls per episode; env wait",
         [
             ("tool_calls/valid", "valid"),
             ("tool_calls/malformed", "malformed"),

@@ -1,17 +1,20 @@
 """`calculator`: multiplication with a calculator tool, called in the `tags` format (<calculator>12 * 34</calculator>).
 
-A task is `a * b` with a of 2 digits and b of 1 (an explicit task may give any expression of numbers and + - * / ( )).
-The model may call `calculator(expression)` as often as it likes within `max_turns`; its first turn without a call
-is its final answer: +1 when its number (after "Answer:", else the last one) is the task's, -1 otherwise.
-SmolLM2-135M-Instruct, held-out avg@4 (64 tasks, k = 4, temperature 1, 128 tokens a turn): 2.3%, its right answers
-all from its own arithmetic; it wrote a <calculator> call in 25 of 256 episodes. With 3-digit by 2-digit
-products it scored 0%, and it never wrote a valid call in the `hermes` JSON format (0 of 128) — why this
-environment asks for tags.
+A task is `a * b` with a of 2 digits and b of 1 (an explicit task may give any expression of numbers and + - * / ( )),
+asked in one of four wordings ("What is 47 * 8?", "Multiply 47 by 8.", ...); the opening shows one exchange with the
+tool as earlier turns of the chat. The model may call `calculator(expression)` as often as it likes within
+`max_turns`; its first turn without a call is its final answer: +1 when its number (after "Answer:", else the last
+one) is the task's, -1 otherwise. SmolLM2-135M-Instruct at temperature 1, 96 tokens a turn (held-out, 32 tasks x 4):
+22.7%, 24 of its 29 right answers through the tool; 68% on questions worded as the example, 0-14% on the others.
+Without the example it never found the tool (2.3%, its own arithmetic; instructions in prose or as a transcript in
+the system prompt: 0-3%), and it never wrote a valid call in the `hermes` JSON format (0 of 128) — why tags.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,6 +32,36 @@ class CalcTask(BaseModel):
 
 def calculator(expression: str) -> str:
     return evaluate(str(expression))
+
+
+SYSTEM = (
+    "You are a helpful assistant with a calculator. To use it, write <calculator>expression</calculator>; its result"
+    " comes back to you. Then give the final answer as: Answer: <number>"
+)
+# the opening shows one exchange, as earlier turns of the chat: a 135M model never found the tool from instructions
+# alone (0-2% of episodes), and copied it from one example (55% on questions worded as the example's)
+EXAMPLE = [
+    ChatMessage(role="system", content=SYSTEM),
+    ChatMessage(role="user", content="What is 23 * 4?"),
+    ChatMessage(role="assistant", content=render_tag_call("calculator", "23 * 4")),
+    ChatMessage(role="tool", content="92", name="calculator", tool_call_id="call_1_0"),
+    ChatMessage(role="assistant", content="Answer: 92"),
+]
+WORDINGS = (  # a product asked as the example asks it (1 in 4), or in words the model must turn into the call
+    "What is {a} * {b}?",
+    "Compute the product of {a} and {b}.",
+    "Multiply {a} by {b}.",
+    "What do you get when you multiply {a} by {b}?",
+)
+
+
+def question(expression: str) -> str:
+    """The user's question: a drawn `a * b` in one of WORDINGS (fixed per task), any other expression as is."""
+    m = re.fullmatch(r"(\d+) \* (\d+)", expression)
+    if m is None:
+        return f"What is {expression}?"
+    wording = WORDINGS[int(hashlib.sha256(expression.encode()).hexdigest(), 16) % len(WORDINGS)]
+    return wording.format(a=m[1], b=m[2])
 
 
 class Calculator(Environment):
@@ -56,13 +89,7 @@ class Calculator(Environment):
         return parsed.model_dump()
 
     def start(self, task: dict[str, Any]) -> tuple[list[ChatMessage], Any]:
-        system = "You are a helpful assistant with a calculator."
-        question = (
-            f"What is {task['expression']}? Use the calculator: write the expression between <calculator> and "
-            f"</calculator>, like {render_tag_call('calculator', '12 * 34')}, and read its result. Then give the "
-            "final answer as: Answer: <number>"
-        )
-        return [ChatMessage(role="system", content=system), ChatMessage(role="user", content=question)], task
+        return [*EXAMPLE, ChatMessage(role="user", content=question(task["expression"]))], task
 
     def answer(self, state: Any, text: str, turn: int) -> Outcome:
         right = final_number(text) == final_number(evaluate(state["expression"]))

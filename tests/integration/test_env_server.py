@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -77,8 +78,12 @@ def test_a_third_party_server_from_the_docs_passes_and_a_broken_one_does_not() -
 
 def test_calculator_a_tool_call_then_the_answer(http: httpx.Client) -> None:
     opening = reset(http, "calculator", task={"expression": "417 * 38 + 123"})
-    assert opening.messages[-1].content.startswith("What is 417 * 38 + 123? Use the calculator")
-    assert "<calculator>12 * 34</calculator>" in opening.messages[-1].content  # the format, by example
+    assert opening.messages[-1].content == "What is 417 * 38 + 123?"
+    shown = [(m.role, m.content) for m in opening.messages[1:-1]]  # the format, by an example exchange
+    assert shown == [("user", "What is 23 * 4?"), ("assistant", "<calculator>23 * 4</calculator>"), ("tool", "92"),
+                     ("assistant", "Answer: 92")]  # fmt: skip
+    drawn = {reset(http, "calculator", seed=s).messages[-1].content.split()[0] for s in range(12)}
+    assert {"What", "Multiply", "Compute"} <= drawn  # drawn tasks come in several wordings
     assert [t.function.name for t in opening.tools] == ["calculator"]
     out = step(http, opening.episode_id, 1, "Let me compute. <calculator>417*38+123</calculator>")
     assert not out.done and out.tools.valid == 1 and out.reward is None
@@ -194,6 +199,21 @@ def test_capacity_and_idle_expiry() -> None:
         metrics = http.get("/metrics").text
         assert 'dapo_env_episodes_total{env="retry",outcome="expired"} 2.0' in metrics
         assert "dapo_env_episodes_open 1.0" in metrics
+
+
+def test_concurrent_resets_never_overshoot_the_capacity() -> None:
+    """Resets in flight count against --max-open-episodes: six slow resets at once into room for two open two."""
+    args = ("--max-open-episodes", "2", "--env-classes", "tests.integration.env_plugins:Sleepy")
+    with running("env_server", *args, ready_path="/readyz") as (base, _):
+
+        def one(seed: int) -> int:
+            with httpx.Client(base_url=base, timeout=30) as c:
+                body = {"env": "sleepy", "task": {"reset_seconds": 0.5, "n": seed}}
+                return c.post("/v1/episodes", json=body).status_code
+
+        with ThreadPoolExecutor(6) as pool:
+            codes = sorted(pool.map(one, range(6)))
+        assert codes == [200, 200, 429, 429, 429, 429], codes
 
 
 def test_metrics_count_episodes_turns_and_tool_calls(http: httpx.Client) -> None:
