@@ -17,8 +17,8 @@ import pytest
 
 from env_server.conformance import Checker
 from services.child_process import ROOT, child_env, running
-from services.episodes import ResetResponse, StepResponse
 from services.tool_calls import render_call
+from tests.integration.env_http import reset, step
 from tests.integration.third_party_env import serve
 
 TOKEN = "env-token-0123456789"
@@ -37,18 +37,6 @@ def env_url() -> Iterator[str]:
 def http(env_url: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=env_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
         yield c
-
-
-def reset(http: httpx.Client, env: str, **kw: object) -> ResetResponse:
-    r = http.post("/v1/episodes", json={"env": env, **kw})
-    assert r.status_code == 200, r.text
-    return ResetResponse.model_validate(r.json())
-
-
-def step(http: httpx.Client, eid: str, turn: int, content: str) -> StepResponse:
-    r = http.post(f"/v1/episodes/{eid}/step", json={"turn": turn, "message": {"role": "assistant", "content": content}})
-    assert r.status_code == 200, r.text
-    return StepResponse.model_validate(r.json())
 
 
 def test_the_built_in_service_passes_the_conformance_checker(env_url: str) -> None:

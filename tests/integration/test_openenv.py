@@ -17,8 +17,8 @@ import pytest
 
 from env_server.conformance import Checker
 from services.child_process import ROOT, running, wait_ready
-from services.episodes import ResetResponse, StepResponse
 from services.redis_server import free_port
+from tests.integration.env_http import reset, step
 
 OPENENV_PY = ROOT / ".venv-openenv" / "bin" / "python"
 SESSIONS = 2  # the OpenEnv server's max_concurrent_envs
@@ -47,18 +47,6 @@ def env_url(openenv_url: str) -> Iterator[str]:
     entries = [f"guess={openenv_url}?max_turns=5&timeout_s=10", f"down=http://127.0.0.1:{free_port()}"]
     with running("env_server", "--openenv", ",".join(entries), ready_path="/readyz") as (base, _):
         yield base
-
-
-def reset(http: httpx.Client, env: str, **kw: object) -> ResetResponse:
-    r = http.post("/v1/episodes", json={"env": env, **kw})
-    assert r.status_code == 200, r.text
-    return ResetResponse.model_validate(r.json())
-
-
-def step(http: httpx.Client, eid: str, turn: int, content: str) -> StepResponse:
-    r = http.post(f"/v1/episodes/{eid}/step", json={"turn": turn, "message": {"role": "assistant", "content": content}})
-    assert r.status_code == 200, r.text
-    return StepResponse.model_validate(r.json())
 
 
 def test_an_openenv_environment_passes_the_conformance_checker(env_url: str) -> None:
