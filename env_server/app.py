@@ -5,7 +5,8 @@ app = build_app(EnvSettings())      # python -m env_server runs it under uvicorn
 Status codes: 404 an unknown environment or episode; 409 a step out of order, on a finished episode, or a reset
 reusing an id for another task, a retried step that asks with another message; 422 a body or task that does not
 validate; 429 (Retry-After) no room for another
-episode or no worker free in time. An environment that fails or hangs in a step ends that episode with
+episode or no worker free in time; 502 an upstream environment server (OpenEnv) unreachable; 504 a reset past the
+time limit. An environment that fails or hangs in a step ends that episode with
 `error` set (200): the model is not to blame, the episode is not to be trained.
 """
 
@@ -63,10 +64,21 @@ def load_envs(classes: Sequence[str], openenv: Sequence[str] = ()) -> dict[str, 
 def _open(env: Environment, req: ResetRequest, episode_id: str) -> tuple[ResetResponse, Any]:
     task = env.draw_for(req.seed, req.split) if req.seed is not None else env.check(req.task or {})
     messages, state = env.start(task)
-    tools = [t.spec for t in env.tools()]
-    opening = ResetResponse(episode_id=episode_id, env=env.name, task_id=env.task_id(task), messages=messages,
-                            tools=tools, max_turns=env.max_turns)  # fmt: skip
+    try:
+        tools = [t.spec for t in env.tools()]
+        opening = ResetResponse(episode_id=episode_id, env=env.name, task_id=env.task_id(task), messages=messages,
+                                tools=tools, max_turns=env.max_turns)  # fmt: skip
+    except BaseException:
+        _release(env, state)  # started, never to be stepped
+        raise
     return opening, state
+
+
+def _release(env: Environment, state: Any) -> None:
+    try:
+        env.release(state)
+    except Exception:  # an environment's bug in freeing its state: logged, the service goes on
+        log.exception("%s failed to release an episode's state", env.name)
 
 
 class Service:
@@ -105,7 +117,9 @@ class Service:
         assert self.workers is not None
         self.table.opening += 1
         try:
-            opening, state = await self.workers.call(env.name, "reset", _open, env, req, episode_id)
+            opening, state = await self.workers.call(
+                env.name, "reset", _open, env, req, episode_id, abandoned=lambda r: _release(env, r[1])
+            )
         except Busy as e:
             raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(e), headers=RETRY_AFTER) from None
         except Unreachable as e:  # an upstream environment server (OpenEnv) down: the client may retry
@@ -124,7 +138,7 @@ class Service:
         finally:
             self.table.opening -= 1
         if req.episode_id and (ep := self.table.get(req.episode_id)) is not None:  # the same reset, concurrently
-            env.release(state)  # this one's state is not kept
+            _release(env, state)  # this one's state is not kept
             return ep.opening if ep.key == req.key() else await self.reset(req)
         self.table.add(Episode(episode_id, env, req.key(), opening, state))
         return opening
@@ -209,7 +223,7 @@ def build_app(settings: EnvSettings) -> FastAPI:
         return env_list
 
     @app.post("/v1/episodes", response_model=ResetResponse, tags=["env"],
-              responses={404: {}, 409: {}, 429: {}, 504: {}})  # fmt: skip
+              responses={404: {}, 409: {}, 429: {}, 502: {}, 504: {}})  # fmt: skip
     async def reset(req: ResetRequest, _: Authorized) -> ResetResponse:
         """Open an episode of `env` on a task (or one drawn from `seed`); answers its opening messages."""
         return await svc.reset(req)
@@ -221,7 +235,7 @@ def build_app(settings: EnvSettings) -> FastAPI:
         return await svc.step(episode_id, req)
 
     @app.delete("/v1/episodes/{episode_id}", response_model=Closed, tags=["env"], responses={404: {}})
-    def close(episode_id: str, _: Authorized) -> Closed:
+    async def close(episode_id: str, _: Authorized) -> Closed:  # on the event loop, as every change of the table
         """Forget an episode (done or not)."""
         return svc.close(episode_id)
 

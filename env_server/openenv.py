@@ -49,7 +49,7 @@ class _Session:
 class OpenEnv(Environment):
     """One OpenEnv server as an environment of the service."""
 
-    def __init__(self, name: str, url: str, *, max_turns: int = 16, timeout_s: float = 30.0,
+    def __init__(self, name: str, url: str, *, max_turns: int = 16, timeout_s: float = 10.0,
                  action: str | None = None, observation: str | None = None):  # fmt: skip
         self.name = name  # type: ignore[misc]  # a class attribute for the others; per instance here
         self.max_turns = max_turns  # type: ignore[misc]
@@ -73,17 +73,22 @@ class OpenEnv(Environment):
         if unknown:
             raise ValueError(f"--openenv {entry!r}: unknown options {sorted(unknown)}")
         base = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
-        return cls(name, base, max_turns=int(q.get("max_turns", 16)), timeout_s=float(q.get("timeout_s", 30)),
-                   action=q.get("action"), observation=q.get("observation"))  # fmt: skip
+        max_turns, timeout_s = int(q.get("max_turns", 16)), float(q.get("timeout_s", 10))
+        if not (1 <= max_turns <= 1024 and 0 < timeout_s <= 3600):  # NaN fails both comparisons
+            raise ValueError(f"--openenv {entry!r}: max_turns must be 1-1024 and timeout_s in (0, 3600]")
+        return cls(name, base, max_turns=max_turns, timeout_s=timeout_s, action=q.get("action"),
+                   observation=q.get("observation"))  # fmt: skip
 
     # -- the OpenEnv server's shapes, read once from GET /schema
 
     def fields(self) -> tuple[str, list[str]]:
-        """(the action's text field, the observation's string fields in schema order)."""
-        with self._lock:
-            if self._fields is None:
-                self._fields = self._read_schema()
-            return self._fields
+        """(the action's text field, the observation's string fields in schema order); read once (not under the
+        lock: a server that does not answer must not queue every worker behind one request)."""
+        if self._fields is None:
+            fields = self._read_schema()
+            with self._lock:
+                self._fields = self._fields or fields
+        return self._fields
 
     def _read_schema(self) -> tuple[str, list[str]]:
         try:
@@ -98,8 +103,8 @@ class OpenEnv(Environment):
         field = self._action or (required[0] if len(required) == 1 else None)
         if field is None or field not in strings:
             why = f"string fields {strings}, required {required}"
-            raise Unreachable(f"OpenEnv server {self.url}: no single text field in its action for the model's turn "
-                              f"({why}); name one with ?action=FIELD")  # fmt: skip
+            raise RuntimeError(f"OpenEnv server {self.url}: no single text field in its action for the model's turn "
+                               f"({why}); name one with ?action=FIELD")  # fmt: skip  # not worth a retry: a 500
         texts = [k for k, p in (obs.get("properties") or {}).items() if p.get("type") == "string"]
         if self._observation is not None:
             texts = [self._observation]
@@ -121,6 +126,8 @@ class OpenEnv(Environment):
             reply = json.loads(ws.recv(timeout=self.timeout_s))
         except (WebSocketException, OSError, TimeoutError, ValueError) as e:
             raise Unreachable(f"OpenEnv server {self.url}: {kind} failed: {type(e).__name__}: {e}") from None
+        if not isinstance(reply, dict):
+            raise Unreachable(f"OpenEnv server {self.url}: {kind} answered {str(reply)[:200]}")
         if reply.get("type") == "error":
             err = reply.get("data") or {}
             if err.get("code") == "CAPACITY_REACHED":
@@ -147,10 +154,10 @@ class OpenEnv(Environment):
             raise Unreachable(f"OpenEnv server {self.url}: cannot open a session: {type(e).__name__}: {e}") from None
         try:
             data = self._call(ws, "reset", task)
+            return [user(self._text(_obj(data.get("observation"))))], _Session(ws)
         except BaseException:
             ws.close()
             raise
-        return [user(self._text(data.get("observation") or {}))], _Session(ws)
 
     def answer(self, state: Any, text: str, turn: int) -> Outcome:
         s: _Session = state
@@ -158,7 +165,7 @@ class OpenEnv(Environment):
         s.reward += float(data.get("reward") or 0.0)
         if data.get("done"):
             return Outcome(reward=s.reward, done=True, info={"openenv_reward": data.get("reward")})
-        return Outcome(messages=[user(self._text(data.get("observation") or {}))])
+        return Outcome(messages=[user(self._text(_obj(data.get("observation"))))])
 
     def release(self, state: Any) -> None:
         if isinstance(state, _Session):
@@ -167,6 +174,12 @@ class OpenEnv(Environment):
     @property
     def tool_format(self) -> Literal["hermes", "tags", "none"]:
         return "none"  # the model's whole turn is the action
+
+
+def _obj(x: Any) -> dict[str, Any]:
+    if x is not None and not isinstance(x, dict):
+        raise Unreachable(f"an OpenEnv observation is an object, not {type(x).__name__}")
+    return x or {}
 
 
 def _close(ws: ClientConnection) -> None:

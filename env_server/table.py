@@ -43,6 +43,7 @@ class Episode:
     touched: float = field(default_factory=time.monotonic)
     last_message: str = ""  # the content the last answered turn was asked with (a retry must ask the same)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ended: bool = False  # counted and released (a close racing a step's end must not do it twice)
 
     @property
     def done(self) -> bool:
@@ -64,8 +65,12 @@ class Workers:
         self.stuck = 0
         metrics.workers_stuck.set_function(lambda: self.stuck)
 
-    async def call(self, env: str, kind: str, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) in a worker thread; `Busy` when none frees up in time, TimeoutError past the timeout."""
+    async def call(
+        self, env: str, kind: str, fn: Callable[..., T], *args: Any, abandoned: Callable[[T], None] | None = None
+    ) -> T:
+        """fn(*args) in a worker thread; `Busy` when none frees up in time, TimeoutError past the timeout. What fn
+        returns after its caller stopped waiting (the timeout, or the client gone) goes to `abandoned` (in the
+        worker's thread): a reset's state nobody will ever close, for one."""
         try:
             await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
         except TimeoutError:
@@ -80,7 +85,11 @@ class Workers:
         future.add_done_callback(release)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError) as e:
+            if abandoned is not None:
+                future.add_done_callback(lambda f: _hand_over(f, abandoned))  # runs now if fn already returned
+            if isinstance(e, asyncio.CancelledError):
+                raise
             if not state.freed:  # it may have returned just as the timeout fired: then it is not stuck
                 state.late = True
                 self.stuck += 1
@@ -101,6 +110,14 @@ class Workers:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _hand_over(f: Future[T], to: Callable[[T], None]) -> None:
+    if not f.cancelled() and f.exception() is None:
+        try:
+            to(f.result())
+        except Exception:
+            log.exception("freeing an abandoned result failed")
 
 
 class EpisodeTable:
@@ -124,7 +141,10 @@ class EpisodeTable:
         self.episodes[ep.id] = ep
 
     def end(self, ep: Episode, outcome: str | None = None) -> None:
-        """Count a finished episode (its outcome from its last step unless given)."""
+        """Count a finished episode (its outcome from its last step unless given) and free its state; once."""
+        if ep.ended:
+            return
+        ep.ended = True
         last = ep.last
         if outcome is None:
             assert last is not None and last.done

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import random
 import re
+import time
 from typing import Any
 
 import uvicorn
@@ -34,6 +35,7 @@ class GuessEnv(Environment):
         self.secret = 0
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kw: Any) -> GuessObservation:
+        time.sleep(float(kw.get("delay", 0)))  # a slow reset, for the tests of time limits
         self._state = State(episode_id=episode_id, step_count=0)
         self.secret = random.Random(seed).randint(1, 10)
         return GuessObservation(prompt="Guess my number from 1 to 10. Answer with the number only.")

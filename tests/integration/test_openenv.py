@@ -45,7 +45,8 @@ def openenv_url() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def env_url(openenv_url: str) -> Iterator[str]:
     entries = [f"guess={openenv_url}?max_turns=5&timeout_s=10", f"down=http://127.0.0.1:{free_port()}"]
-    with running("env_server", "--openenv", ",".join(entries), ready_path="/readyz") as (base, _):
+    args = ("--openenv", ",".join(entries), "--step-timeout-s", "2")
+    with running("env_server", *args, ready_path="/readyz") as (base, _):
         yield base
 
 
@@ -82,9 +83,11 @@ def test_an_episode_is_an_openenv_session(env_url: str) -> None:
         assert outs[0].messages[0].content == "No: not a number."
 
 
-def test_sessions_are_freed_when_episodes_end_and_a_full_server_is_429(env_url: str) -> None:
+def test_sessions_are_freed_when_episodes_end_or_resets_time_out_and_a_full_server_is_429(env_url: str) -> None:
     with httpx.Client(base_url=env_url, timeout=30) as http:
-        time.sleep(1)  # the sessions of the tests before close in the background
+        r = http.post("/v1/episodes", json={"env": "guess", "task": {"seed": 1, "delay": 3}})
+        assert r.status_code == 504, r.text  # past --step-timeout-s; its session opens late, and is closed then
+        time.sleep(2)  # the reset returns (and the sessions of the tests before close, in the background)
         held = [reset(http, "guess", seed=s).episode_id for s in range(SESSIONS)]
         r = http.post("/v1/episodes", json={"env": "guess", "seed": 9})
         assert r.status_code == 429 and "at capacity" in r.text and r.headers["Retry-After"] == "1", r.text
