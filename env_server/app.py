@@ -28,7 +28,7 @@ from env_server.builtins import BUILTIN
 from env_server.metrics import EnvMetrics
 from env_server.openenv import OpenEnv, Unreachable
 from env_server.settings import EnvSettings
-from env_server.table import Busy, Episode, EpisodeTable, Workers
+from env_server.table import Busy, Episode, EpisodeTable, Workers, release
 from services.episodes import Closed, EnvList, ResetRequest, ResetResponse, StepRequest, StepResponse
 from services.web import Authorized, create_app
 
@@ -69,16 +69,9 @@ def _open(env: Environment, req: ResetRequest, episode_id: str) -> tuple[ResetRe
         opening = ResetResponse(episode_id=episode_id, env=env.name, task_id=env.task_id(task), messages=messages,
                                 tools=tools, max_turns=env.max_turns)  # fmt: skip
     except BaseException:
-        _release(env, state)  # started, never to be stepped
+        release(env, state)  # started, never to be stepped
         raise
     return opening, state
-
-
-def _release(env: Environment, state: Any) -> None:
-    try:
-        env.release(state)
-    except Exception:  # an environment's bug in freeing its state: logged, the service goes on
-        log.exception("%s failed to release an episode's state", env.name)
 
 
 class Service:
@@ -118,7 +111,7 @@ class Service:
         self.table.opening += 1
         try:
             opening, state = await self.workers.call(
-                env.name, "reset", _open, env, req, episode_id, abandoned=lambda r: _release(env, r[1])
+                env.name, "reset", _open, env, req, episode_id, abandoned=lambda r: release(env, r[1])
             )
         except Busy as e:
             raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(e), headers=RETRY_AFTER) from None
@@ -138,7 +131,7 @@ class Service:
         finally:
             self.table.opening -= 1
         if req.episode_id and (ep := self.table.get(req.episode_id)) is not None:  # the same reset, concurrently
-            _release(env, state)  # this one's state is not kept
+            release(env, state)  # this one's state is not kept
             return ep.opening if ep.key == req.key() else await self.reset(req)
         self.table.add(Episode(episode_id, env, req.key(), opening, state))
         return opening

@@ -56,7 +56,6 @@ class OpenEnv(Environment):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
         self._action, self._observation = action, observation
         self._fields: tuple[str, list[str]] | None = None
-        self._lock = threading.Lock()
         self.description = f"OpenEnv server at {self.url}"  # type: ignore[misc]
 
     @classmethod
@@ -82,12 +81,10 @@ class OpenEnv(Environment):
     # -- the OpenEnv server's shapes, read once from GET /schema
 
     def fields(self) -> tuple[str, list[str]]:
-        """(the action's text field, the observation's string fields in schema order); read once (not under the
-        lock: a server that does not answer must not queue every worker behind one request)."""
+        """(the action's text field, the observation's string fields in schema order); read once (two workers racing
+        read it twice and keep the same answer: no lock, so a server that does not answer queues no one behind it)."""
         if self._fields is None:
-            fields = self._read_schema()
-            with self._lock:
-                self._fields = self._fields or fields
+            self._fields = self._read_schema()
         return self._fields
 
     def _read_schema(self) -> tuple[str, list[str]]:

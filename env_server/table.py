@@ -112,6 +112,14 @@ class Workers:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def release(env: Environment, state: Any) -> None:
+    """Free an episode's state (Environment.release); an environment's bug there is logged, the service goes on."""
+    try:
+        env.release(state)
+    except Exception:
+        log.exception("%s failed to release an episode's state", env.name)
+
+
 def _hand_over(f: Future[T], to: Callable[[T], None]) -> None:
     if not f.cancelled() and f.exception() is None:
         try:
@@ -155,10 +163,7 @@ class EpisodeTable:
             else:
                 outcome = "success" if (last.reward or 0) > 0 else "failure"
         self.metrics.episodes.labels(ep.env.name, outcome).inc()
-        try:
-            ep.env.release(ep.state)
-        except Exception:  # an environment's bug in freeing its state: logged, the service goes on
-            log.exception("%s failed to release episode %s", ep.env.name, ep.id)
+        release(ep.env, ep.state)
         if ep.turn:
             self.metrics.turns.labels(ep.env.name).observe(ep.turn)
 

@@ -123,9 +123,11 @@ def episode_numbers(states: list[ServiceState]) -> dict[str, float]:
         "env_step_p50_s": quantile(states, "dapo_rollout_env_step_seconds", 0.5, prefix="rollout", kind="step"),
         "env_step_p99_s": quantile(states, "dapo_rollout_env_step_seconds", 0.99, prefix="rollout", kind="step"),
     }
-    for st in states:
-        for lab, v in st.metrics.get("dapo_rollout_tool_calls_total", []) if st.name.startswith("rollout") else []:
-            out[f"tool_calls_total/{lab['outcome']}"] = out.get(f"tool_calls_total/{lab['outcome']}", 0.0) + v
+    calls = "dapo_rollout_tool_calls_total"
+    outcomes = {
+        lab["outcome"] for st in states if st.name.startswith("rollout") for lab, _ in st.metrics.get(calls, [])
+    }
+    out |= {f"tool_calls_total/{o}": value(states, calls, prefix="rollout", outcome=o) for o in outcomes}
     return out
 
 

@@ -71,4 +71,9 @@ def split_of(expression: str, *, eval_share: int = 3) -> Literal["train", "eval"
     is held out, so that an environment with few distinct tasks never evaluates on one it trained on."""
     m = re.fullmatch(r"\s*(\d+)\s*([+*])\s*(\d+)\s*", expression)
     key = f"{min(m[1], m[3], key=int)} {m[2]} {max(m[1], m[3], key=int)}" if m else " ".join(expression.split())
-    return "eval" if int(hashlib.sha256(key.encode()).hexdigest(), 16) % eval_share == 0 else "train"
+    return "eval" if bucket(key, eval_share) == 0 else "train"
+
+
+def bucket(key: str, n: int) -> int:
+    """A stable bucket in [0, n) for a text (sha256: the same on every machine and run, unlike hash())."""
+    return int(hashlib.sha256(key.encode()).hexdigest(), 16) % n

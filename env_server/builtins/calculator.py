@@ -12,7 +12,6 @@ the system prompt: 0-3%), and it never wrote a valid call in the `hermes` JSON f
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from typing import Any, Literal
@@ -20,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from env_server.base import Environment, Outcome, Tool
-from env_server.builtins.arith import evaluate, final_number, split_of
+from env_server.builtins.arith import bucket, evaluate, final_number, split_of
 from services.episodes import ChatMessage
 from services.tool_calls import render_tag_call
 
@@ -60,7 +59,7 @@ def question(expression: str) -> str:
     m = re.fullmatch(r"(\d+) \* (\d+)", expression)
     if m is None:
         return f"What is {expression}?"
-    wording = WORDINGS[int(hashlib.sha256(expression.encode()).hexdigest(), 16) % len(WORDINGS)]
+    wording = WORDINGS[bucket(expression, len(WORDINGS))]
     return wording.format(a=m[1], b=m[2])
 
 
