@@ -30,7 +30,6 @@ from typing import Any
 from learner.tiny import VOCAB, tiny_tokenizer
 from rollout.chunked_loop import ChunkedLoop
 from rollout.engines.base import Completion, SamplingParams, counts
-from rollout.publisher import Generated
 from rollout.replica import Replica
 from services.logs import configure_logging
 from services.settings import ServiceSettings
@@ -96,11 +95,12 @@ class SimLoop(ChunkedLoop):
         super().__init__(replica, engine)
         self.waits = waits
 
-    def generate(self, deliveries: list[Delivery[Any]]) -> Generated:
+    def read(self) -> list[Delivery[Any]]:
+        deliveries = super().read()
         now = time.time()
         for d in deliveries:
             self.waits.append((now, now - int(d.entry_id.split("-")[0]) / 1000))
-        return super().generate(deliveries)
+        return deliveries
 
 
 class SimReplica:

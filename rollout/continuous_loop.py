@@ -2,13 +2,16 @@
 frees up, each group is scored and published as soon as its G samples finish, weights load while sequences are
 in flight.
 
-Per step: load new weights if any (`keep`/`recompute`: now, with sequences in flight; `drain`: once none is),
-publish the groups that finished (rollout/publisher.py: one scoring request, then XADD + XACK in one step), read
-as many prompts as fit under `max_in_flight` sequences and submit them, top up the held-out evaluation's share,
-and run one engine step (rollout/engines/continuous.py). Prompts in flight stay pending in Redis, kept alive: a
-replica killed at any point leaves them to be reclaimed. A reward outage holds the finished groups and admits
-nothing new until they are scored (as the chunked loop does); sequences in flight still finish. A prompt the
-engine refuses (longer than the model's context) is dead-lettered: retrying it cannot help.
+Every prompt is rolled out as G episodes (rollout/episode_runner.py): a single-turn prompt's are one-step, an
+environment task's take turns with their environment, leaving the engine while it answers. Per step: load new
+weights if any (`keep`/`recompute`: now, with sequences in flight; `drain`: once none is), publish the groups that
+finished (rollout/publisher.py: one scoring request for the one-step ones, then XADD + XACK in one step), submit
+the episodes' next model turns, read as many prompts as fit under `max_in_flight` sequences (and `max_episodes`)
+and submit their first turns, top up the held-out evaluation's share, and run one engine step
+(rollout/engines/continuous.py). Prompts in flight stay pending in Redis, kept alive: a replica killed at any
+point leaves them to be reclaimed. A reward outage holds the finished groups and admits nothing new until they are
+scored (as the chunked loop does); sequences in flight still finish. A prompt the engine refuses (longer than the
+model's context) is dead-lettered: retrying it cannot help.
 
 The held-out evaluation shares the engine (`--eval-mode shared`): its prompts enter beside training's, at most
 `eval_share` of the sequences in flight, so training's rollouts never stop for it. Weights may change while it
@@ -25,14 +28,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from rollout.engines.base import Completion, ContinuousBatching, RequestRefused, encode_prompt
-from rollout.episode_runner import EpisodeRunner, env_task
+from rollout.engines.base import Completion, ContinuousBatching, encode_prompt
 from rollout.metrics import RolloutMetrics
-from rollout.publisher import Generated
 from rollout.replica import Replica
 from services.datasets import Item
-from services.schemas import PromptTask
-from services.streams import Delivery
 
 log = logging.getLogger(__name__)
 IDLE_WINDOW_S = 60.0  # dapo_rollout_idle_fraction: over the last minute
@@ -51,31 +50,21 @@ class _Evaluation:
 class ContinuousLoop:
     def __init__(self, replica: Replica, engine: ContinuousBatching):
         self.r, self.engine, self.m = replica, engine, replica.metrics
-        self.flight: dict[str, tuple[Delivery[PromptTask], list[int]]] = {}  # engine key -> prompt, its tokens
-        self.finished: list[tuple[Delivery[PromptTask], list[int], list[Completion]]] = []  # generated, unpublished
+        self.episodes = replica.episodes  # every prompt's G samples, one-step or against an environment
         self.evaluation: _Evaluation | None = None
         self.waiting_load = False  # drain mode: new weights wait for the sequences in flight
         self.eval_waiting = False  # --eval-mode stop: the evaluation waits for the sequences in flight
         self.group_size = 1  # samples per prompt, as the last prompt asked: how many prompts fit
         self.idle = True  # no sequence ran in the last engine step
         self.window = IdleWindow(self.m)
-        self._episodes: EpisodeRunner | None = None  # made at the first environment task
-
-    @property
-    def episodes(self) -> EpisodeRunner:
-        if self._episodes is None:
-            self._episodes = EpisodeRunner(self.r.s, self.engine.tokenizer, self.m)
-        return self._episodes
-
-    def _episodes_pending(self) -> int:
-        return self._episodes.pending() if self._episodes is not None else 0
 
     def step(self) -> int:
         self.r.membership.tokens_per_s = self.window.account(self.idle)
         self.sync_weights()
-        published = self.publish_finished() + self.publish_episodes()
+        published = self.r.publish()
         self.advance_episodes()  # episodes' next turns take the engine's room before new prompts do
-        self.admit(wait=not published)
+        if self.admit(wait=not published):
+            self.advance_episodes()  # the new prompts' first turns
         self.wait_for_environments()
         self.advance_evaluation()
         self.idle = not self.engine.in_flight()  # then nothing runs until the next call (a read waited instead)
@@ -87,9 +76,7 @@ class ContinuousLoop:
     def close(self) -> None:
         """Leave: the sequences in flight are dropped; their prompts stay pending for another replica."""
         self.engine.abort()
-        self.flight.clear()
-        if self._episodes is not None:
-            self._episodes.close()
+        self.episodes.close()
 
     def sync_weights(self) -> None:
         """keep/recompute: load now, sequences in flight; drain: stop admitting, load when none is in flight."""
@@ -101,114 +88,63 @@ class ContinuousLoop:
 
     # ---------------------------------------------------------------- training prompts
 
-    def admit(self, wait: bool = True) -> None:
-        """Read as many prompts as fit under the bound on sequences in flight; none while groups are held for a
-        reward outage or weights wait for a drain. An idle engine waits for prompts (up to a second), unless this
-        step just published: then the step returns at once (its caller sees the groups out without a second's
-        wait for prompts that may never come; the next step waits)."""
-        r = self.r
-        if r.publisher.held is not None or self.finished or self.waiting_load or self.eval_waiting:
+    def admit(self, wait: bool = True) -> bool:
+        """Read as many prompts as fit under the bounds on sequences in flight and on episodes, and begin their
+        episodes (True: some began); none while groups are held for a reward outage or weights wait for a drain.
+        An idle engine waits for prompts (up to a second), unless this step just published: then the step returns
+        at once (its caller sees the groups out without a second's wait for prompts that may never come; the
+        next step waits)."""
+        r, runner = self.r, self.episodes
+        if r.publisher.held is not None or self.waiting_load or self.eval_waiting:
             r.consumer.keep_alive()
             if not self.engine.in_flight():
                 time.sleep(0.1)  # held for a reward outage, nothing to step: no busy loop
-            return
-        count = (r.s.max_in_flight - self.engine.in_flight()) // self.group_size
-        if self._episodes is not None:  # episodes waiting for their environment are not in the engine
-            count = min(count, (r.s.max_episodes - self._episodes.pending()) // self.group_size)
+            return False
+        room = min(r.s.max_in_flight - self.engine.in_flight(), r.s.max_episodes - runner.pending())
+        count = room // self.group_size  # episodes waiting for their environment are not in the engine
         if count < 1:
             r.consumer.keep_alive()  # the prompts in flight stay ours
-            return
-        idle = wait and not self.engine.in_flight() and not self._episodes_pending()
-        for d in r.consumer.read(count=count, block_ms=1000 if idle else 0):
-            task = d.message
-            key = f"t/{d.entry_id}"
-            if key in self.flight or (self._episodes is not None and self._episodes.holds(d.entry_id)):
-                continue  # our own entry again (a replay after a restart of the consumer): it is in flight
-            if self._start_episodes(d):
-                continue
-            prompt = r.prompt_ids(task, self.engine.tokenizer)
-            try:
-                self.engine.submit(key, prompt, task.n_samples, r.call_params([task]))
-            except RequestRefused as e:  # the engine refuses this prompt (too long for its context): not retried
-                log.error("prompt %s dead-lettered: the engine refused it: %s", task.task_id, e)
-                r.consumer.dead_letter([d], "engine_rejected", str(e)[:500])
-                continue
-            self.flight[key] = (d, prompt)
-            self.group_size = max(1, task.n_samples)
-
-    def _start_episodes(self, d: Delivery[PromptTask]) -> bool:
-        """An environment task's G episodes begun (True); False: a single-turn prompt. A malformed one is
-        dead-lettered (True)."""
-        try:
-            spec = env_task(d.message)
-        except ValueError as e:
-            log.error("prompt %s dead-lettered: %s", d.message.task_id, e)
-            self.r.consumer.dead_letter([d], "env_task_invalid", str(e)[:500])
-            return True
-        if spec is None:
             return False
-        self.episodes.start(d, self.r.call_params([d.message]))
-        self.group_size = max(1, d.message.n_samples)
-        return True
+        idle = wait and not self.engine.in_flight() and not runner.pending()
+        began = False
+        for d in r.consumer.read(count=count, block_ms=1000 if idle else 0):
+            if runner.holds(d.entry_id):
+                continue  # our own entry again (a replay after a restart of the consumer): it is in flight
+            if r.begin(d):
+                began = True
+                self.group_size = max(1, d.message.n_samples)
+        return began
 
     def advance_episodes(self) -> None:
         """Environment answers in, model turns submitted (none while a weight load waits for a drain: the turns in
         the engine finish, the next ones wait for the load)."""
-        if self._episodes is None or not self._episodes.pending():
+        if not self.episodes.pending():
             return
         room = 0 if self.waiting_load else self.r.s.max_in_flight - self.engine.in_flight()
-        self._episodes.advance(self.engine, room)
+        self.episodes.advance(self.engine, room)
         self.m.in_flight.set(self.engine.in_flight())
 
     def wait_for_environments(self) -> None:
         """Nothing in the engine, episodes waiting for their environment: a short wait, not a busy loop."""
-        if self._episodes is not None and not self.engine.in_flight() and not self._episodes.ready:
-            self._episodes.wait(0.05)
-
-    def publish_episodes(self) -> int:
-        """Finished episode groups published; groups whose environment failed past the retries dead-lettered."""
-        if self._episodes is None:
-            return 0
-        for d, why in self._episodes.take_failed():
-            log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
-            self.r.consumer.dead_letter([d], "env_failed", why)
-        done = self._episodes.take_finished()
-        if not done:
-            return 0
-        tok = self.engine.tokenizer
-        return self.r.publisher.publish_episodes(done, lambda ids: tok.decode(ids, skip_special_tokens=False))
+        if not self.engine.in_flight() and not self.episodes.ready:
+            self.episodes.wait(0.05)
 
     def _finished(self, key: str, outs: list[Completion]) -> None:
-        """A group's G samples are done: the evaluation's wait for its report, training's for the publisher; an
-        episode's model turn: its environment's step."""
+        """A model turn is done: its episode goes on (to its environment's step, or its end); an evaluation's
+        group: kept for its report."""
         for c in outs:
             n = len(c.versions) if c.versions else 1
             self.m.versions_per_sample.observe(n)
             if n > 1:
                 self.m.multi_version_samples.inc()
-        if key.startswith("x/"):
-            self.episodes.engine_done(key, outs[0], self.engine.version)
-            n = len(outs[0].token_ids)  # an episode counts as a sample once, when it is published
-            self.m.tokens.inc(n)
-            self.window.tokens(n)
-            return
         if key.startswith("e/"):
             assert self.evaluation is not None
             self.evaluation.outs[int(key.rsplit("/", 1)[1])] = outs
             return
-        d, prompt = self.flight.pop(key)
-        self.finished.append((d, prompt, outs))
-        self.window.tokens(self.m.generated([outs]))
-
-    def publish_finished(self) -> int:
-        """The finished groups, scored in one request and published; groups held for a reward outage first (once
-        backed off), and nothing else while they stay held."""
-        published = self.r.publisher.retry_held()
-        if self.r.publisher.held is not None or not self.finished:
-            return published
-        done, self.finished = self.finished, []
-        gen = Generated([d for d, _, _ in done], [p for _, p, _ in done], [o for _, _, o in done], self.engine.version)
-        return published + self.r.publisher.publish(gen)
+        self.episodes.engine_done(key, outs[0], self.engine.version)
+        n = len(outs[0].token_ids)
+        self.m.tokens.inc(n)
+        self.window.tokens(n)
 
     # ---------------------------------------------------------------- the held-out evaluation
 
@@ -244,7 +180,7 @@ class ContinuousLoop:
         if self.r.s.eval_mode == "stop" or self.eval_waiting or self._env_held_out(version):
             # stop the world: drain, then the chunked, seeded evaluation (held-out episodes always run so)
             self.eval_waiting = True
-            if not self.engine.in_flight() and not self._episodes_pending():  # episodes too: their prompts wait
+            if not self.engine.in_flight() and not self.episodes.pending():  # episodes too: their prompts wait
                 ev.run_seeded(self.engine.chunked)  # `dapo-mesh eval`'s numbers for these weights and seed
                 self.eval_waiting = False
             return False

@@ -1,6 +1,11 @@
-"""Episodes against the environment service, G per prompt, for the continuous-batching loop and turn by turn.
+"""Every prompt's G samples as episodes — the replica's one rollout path, for the continuous-batching loop and
+turn by turn.
 
-A prompt whose verifier is `env:<name>` is an environment task: its ground truth is the reset's `{"seed": n}` or
+A single-turn prompt (any verifier but `env:<name>`) is a one-step episode on a local environment: its opening is
+the prompt's tokens, the model answers once, and the episode ends; the group's G answers are scored by the
+reward server when it is published (rollout/publisher.py: one request for every finished group, overlong shaping),
+so the samples are exactly those of a single-turn rollout. A prompt whose verifier is `env:<name>` is an
+environment task: its ground truth is the reset's `{"seed": n}` or
 `{"task": {...}}` (JSON), and each of its G samples is an episode (rollout/episodes.py). An episode alternates:
 its environment call (reset, then a step per model turn) runs in one of `--env-concurrency` threads, and its model
 turn is one request in the engine. While an episode waits for its environment it is not in the engine: the others
@@ -16,11 +21,11 @@ not the prompt's fault: the episode is begun again after a backoff (2, 4, ... 30
 prompt pending and kept alive.
 
     runner = EpisodeRunner(settings, tokenizer, metrics)
-    runner.start(delivery, params)         # G episodes of an env task, sampled with `params`
+    runner.start(delivery, params, prompt) # G episodes of the prompt, sampled with `params` (`prompt`: one-step)
     runner.advance(engine)                 # finished environment calls -> the next model turns submitted
     runner.engine_done(key, completion)    # a model turn finished (keys start with "x/") -> its environment step
-    for delivery, prompt, episodes in runner.take_finished(): ...
-    for delivery, why in runner.take_failed(): ...
+    for delivery, episodes in runner.take_finished(): ...
+    for delivery, kind, why in runner.take_failed(): ...   # kind: the dead letter's (env_failed, engine_rejected)
 
 `run_turn_by_turn` runs episodes on an engine called in chunks, every live episode's turn in one call and every
 environment step of the round before the next: the evaluation's way, and the baseline of the benchmark.
@@ -50,6 +55,7 @@ from services.streams import Delivery
 
 log = logging.getLogger(__name__)
 ENV_PREFIX = "env:"
+ONE_STEP = "one-step"  # the local environment of a single-turn prompt: one model turn, the reward server's score
 OUTAGE_BACKOFF_MAX_S = 30.0
 
 
@@ -83,6 +89,14 @@ class _Group:
     done: list[Episode | None]
     failed: str | None = None
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
+
+    @property
+    def one_step(self) -> bool:
+        return self.env == ONE_STEP
+
+    @property
+    def dead_letter_kind(self) -> str:
+        return "engine_rejected" if self.one_step else "env_failed"
 
 
 @dataclass
@@ -118,30 +132,52 @@ class EpisodeRunner:
         token = s.env_token.get_secret_value() if s.env_token else None
         self.client = client or EnvClient(s.env_url, token=token, timeout_s=s.env_timeout_s, retries=s.env_retries)
         self.render = Renderer(tokenizer, s.chat_template)
-        self.render_problem = self.render.problem()  # a chat template that cannot be continued token-exactly
+        self._render_checked = False  # checked at the first environment task (one-step episodes never need it)
+        self._render_problem: str | None = None
         self.pool = ThreadPoolExecutor(s.env_concurrency, thread_name_prefix="env")
         self.calls: dict[Future[Any], _Live] = {}  # environment calls in flight
         self.ready: list[_Live] = []  # episodes whose next model turn awaits submission
         self.generating: dict[str, _Live] = {}  # engine key -> episode
         self.groups: list[_Group] = []
-        self.live = 0
+        self.live = 0  # episodes begun and not finished
+        self.live_env = 0  # ... of them, environments' (not one-step)
 
     # ------------------------------------------------------------------ the environment side
 
-    def start(self, d: Delivery[PromptTask], params: SamplingParams) -> None:
+    @property
+    def render_problem(self) -> str | None:
+        """Why the chat template cannot be continued token-exactly (None: it can); checked once, when needed."""
+        if not self._render_checked:
+            self._render_problem, self._render_checked = self.render.problem(), True
+        return self._render_problem
+
+    def start(self, d: Delivery[PromptTask], params: SamplingParams, prompt: list[int] | None = None) -> None:
+        """The prompt's G episodes: an environment task's begin with their resets; a single-turn prompt's are
+        one-step episodes opening on `prompt` (its tokens), ready for their model turn at once."""
         spec = env_task(d.message)
-        assert spec is not None, "not an environment task"
-        g = _Group(d, spec[0], spec[1], params, [None] * d.message.n_samples)
+        env, body = spec if spec is not None else (ONE_STEP, {})
+        g = _Group(d, env, body, params, [None] * d.message.n_samples)
         self.groups.append(g)
+        if g.one_step:
+            assert prompt is not None, "a single-turn prompt's episodes open on its tokens"
+            for j in range(d.message.n_samples):
+                self._begin(lv := _Live(g, j, ep=Episode(env=ONE_STEP, opening=list(prompt))))
+                self.ready.append(lv)
+            return
         if self.render_problem:
             g.failed = self.render_problem  # dead-lettered with the reason at the next take_failed()
             return
         for j in range(d.message.n_samples):
             self._reset(_Live(g, j))
 
-    def _reset(self, lv: _Live, delay_s: float = 0.0) -> None:
+    def _begin(self, lv: _Live) -> None:
         self.live += 1
-        self.m.episodes_live.set(self.live)
+        if not lv.group.one_step:  # the episode metrics count environments' episodes (one-step ones are samples)
+            self.live_env += 1
+            self.m.episodes_live.set(self.live_env)
+
+    def _reset(self, lv: _Live, delay_s: float = 0.0) -> None:
+        self._begin(lv)
         lv.ep, lv.turn, lv.t0 = None, 0, time.perf_counter()
         args = (lv.group.env, lv.group.body, lv.id)
         self.calls[self.pool.submit(self._timed, "reset", self._later, delay_s, self.client.reset, *args)] = lv
@@ -211,7 +247,9 @@ class EpisodeRunner:
             ep.reward = out.reward if out.reward is not None else -1.0
             self._end(lv, "max_turns" if out.truncated else "done")
         else:
-            ids = self.render.continuation(ep.last_model_ids, ep.last_finish, out.messages)
+            last = ep.last
+            assert last is not None  # a step answers a model turn
+            ids = self.render.continuation(last.token_ids, last.finish_reason, out.messages)
             if len(ep.ids) + len(ids) >= self.s.max_episode_tokens:
                 self._cut(lv)
             else:
@@ -229,15 +267,18 @@ class EpisodeRunner:
         ep.ended = ended  # type: ignore[assignment]
         lv.group.done[lv.j] = ep
         self._leave(lv, ended)
-        self.m.episode_turns.labels(lv.group.env).observe(ep.model_turns)
+        if not lv.group.one_step:
+            self.m.episode_turns.labels(lv.group.env).observe(ep.model_turns)
 
     def _leave(self, lv: _Live, ended: str | None) -> None:
         """An episode is no longer live (ended, failed, or dropped with its group: `ended` None, not counted); the
         service is told to forget it. Every path out of an episode comes here once."""
         self.live -= 1
-        self.m.episodes_live.set(self.live)
-        if ended is not None:
-            self.m.episodes.labels(lv.group.env, ended).inc()
+        if not lv.group.one_step:
+            self.live_env -= 1
+            self.m.episodes_live.set(self.live_env)
+            if ended is not None:
+                self.m.episodes.labels(lv.group.env, ended).inc()
         if lv.base:
             self.pool.submit(self.client.close, lv.base, lv.id)
 
@@ -278,22 +319,27 @@ class EpisodeRunner:
                 continue
             ep = lv.ep
             assert ep is not None
-            room = self.s.max_episode_tokens - len(ep.ids)
+            room = self.budget(lv)
             if room <= 0:
                 self._cut(lv)
                 continue
             key = f"x/{lv.id}/{lv.turn}"
-            params = lv.group.params
             try:
-                engine.submit(
-                    key, ep.prompt_ids(), 1, dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-                )
-            except RequestRefused as e:
-                lv.group.failed = f"the engine refused episode {lv.j}'s turn {lv.turn + 1}: {e}"[:1000]
+                engine.submit(key, ep.prompt_ids(), 1, dataclasses.replace(lv.group.params, max_tokens=room))
+            except RequestRefused as e:  # too long for the engine's context: not retried
+                what = "it" if lv.group.one_step else f"episode {lv.j}'s turn {lv.turn + 1}"
+                lv.group.failed = f"the engine refused {what}: {e}"[:1000]
                 self._drop(lv)
                 continue
             lv.t0 = time.perf_counter()
             self.generating[key] = lv
+
+    def budget(self, lv: _Live) -> int:
+        """Tokens the episode's next model turn may take: the sampling's max_tokens within --max-episode-tokens;
+        a one-step answer's: max_tokens, as a single-turn sample's (L_max; overlong shaping scores its length)."""
+        assert lv.ep is not None
+        most = lv.group.params.max_tokens
+        return most if lv.group.one_step else min(most, self.s.max_episode_tokens - len(lv.ep.ids))
 
     def _drop(self, lv: _Live) -> None:
         """An episode of a failed group stops where it is."""
@@ -311,6 +357,9 @@ class EpisodeRunner:
         if lv.group.failed is not None:
             self._drop(lv)
             return
+        if lv.group.one_step:  # answered: the reward server scores it with its group
+            self._end(lv, "done")
+            return
         if len(ep.ids) >= self.s.max_episode_tokens:
             self._cut(lv)
             return
@@ -326,12 +375,13 @@ class EpisodeRunner:
         self.groups = [g for g in self.groups if g not in out]
         return [(g.delivery, [e for e in g.done if e is not None]) for g in out]
 
-    def take_failed(self) -> list[tuple[Delivery[PromptTask], str]]:
-        """Groups with a failed episode, once none of theirs is in flight any more."""
+    def take_failed(self) -> list[tuple[Delivery[PromptTask], str, str]]:
+        """Groups with a failed episode, once none of theirs is in flight any more: (delivery, the dead letter's
+        kind, why)."""
         busy = {id(lv.group) for lv in [*self.calls.values(), *self.generating.values(), *self.ready]}
         out = [g for g in self.groups if g.failed is not None and id(g) not in busy]
         self.groups = [g for g in self.groups if g not in out]
-        return [(g.delivery, g.failed or "") for g in out]
+        return [(g.delivery, g.dead_letter_kind, g.failed or "") for g in out]
 
     def close(self) -> None:
         """Leaving: waits and retries end at once, nothing new starts; the prompts stay pending for another replica."""
@@ -349,7 +399,7 @@ def run_items(
     run_turn_by_turn(engine, runner)
     failed, finished = runner.take_failed(), runner.take_finished()
     if failed:
-        raise EnvUnavailable(f"{len(failed)} held-out tasks' episodes failed; the first: {failed[0][1]}")
+        raise EnvUnavailable(f"{len(failed)} held-out tasks' episodes failed; the first: {failed[0][2]}")
     return {d.message.task_id: eps for d, eps in finished}
 
 
@@ -358,16 +408,18 @@ def run_turn_by_turn(
     runner: EpisodeRunner,
     keep_alive: Callable[[], object] = lambda: None,
     stopped: Callable[[], bool] = lambda: False,
-) -> None:
+) -> int:
     """Every episode the runner holds, to its end, on an engine called in chunks: each round, one engine call for
     every episode whose turn is next (sampled with the first one's group's parameters; one call per distinct
     turn budget, so no episode passes --max-episode-tokens), then every environment step of the round before the
     next round. `keep_alive` is called every round (the prompts in flight stay this replica's); once `stopped()`,
-    the runner is closed and the episodes left where they are (their prompts stay pending)."""
+    the runner is closed and the episodes left where they are (their prompts stay pending). The model tokens
+    generated."""
+    tokens = 0
     while runner.pending():
         if stopped():
             runner.close()
-            return
+            return tokens
         keep_alive()
         runner.wait(timeout_s=1.0)
         runner.collect()
@@ -380,7 +432,7 @@ def run_turn_by_turn(
         if not ready:
             continue
         params = ready[0].group.params
-        budget = {id(lv): min(params.max_tokens, runner.s.max_episode_tokens - len(lv.ep.ids)) for lv in ready if lv.ep}
+        budget = {id(lv): runner.budget(lv) for lv in ready}
         for room in sorted(set(budget.values()), reverse=True):
             part = [lv for lv in ready if budget[id(lv)] == room]
             if room <= 0:
@@ -395,4 +447,6 @@ def run_turn_by_turn(
                 key = f"x/{lv.id}/{lv.turn}"
                 runner.generating[key] = lv
                 lv.t0 = t0
+                tokens += len(out[0].token_ids)
                 runner.engine_done(key, out[0], engine.version)
+    return tokens

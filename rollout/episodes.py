@@ -4,7 +4,7 @@ environment turn rendered by the chat template and appended — no earlier token
     r = Renderer(tokenizer)
     ep = Episode(env="calculator", opening=r.opening(messages))
     ep.add_model(completion, text)                          # its ids, log-probs, the version of every token
-    ep.add_env(r.continuation(ep.last_model_ids, finish_reason, new_messages))   # 0 in the loss mask
+    ep.add_env(r.continuation(ep.last.token_ids, ep.last.finish_reason, new_messages))   # 0 in the loss mask
     prompt = ep.prompt_ids()                                 # what the engine continues from next
     sample = ep.sample(temperature, top_p, text)             # Sample schema 4: turns, versions, EpisodeInfo
 
@@ -92,8 +92,7 @@ class Episode:
     versions: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     model_turns: int = 0
-    last_model_ids: list[int] = field(default_factory=list)
-    last_finish: str = "stop"
+    last: Completion | None = None  # the last model turn as sampled (a one-step episode's answer, text and all)
     tools: ToolStats = field(default_factory=ToolStats)
     reward: float | None = None
     ended: Ended | None = None
@@ -111,7 +110,7 @@ class Episode:
         self.versions += [v for v, n in runs for _ in range(n)]
         self._turn("model", len(c.token_ids))
         self.model_turns += 1
-        self.last_model_ids, self.last_finish = list(c.token_ids), c.finish_reason
+        self.last = c
 
     def add_env(self, ids: list[int]) -> None:
         """An environment turn as rendered: in the context, out of the loss (log-prob 0, the last model version)."""

@@ -110,10 +110,8 @@ class RolloutMetrics:
         )
         self.episodes_live = Gauge("dapo_rollout_episodes_live", "Episodes begun and not finished.", registry=r)
 
-    def generated(self, outs: Sequence[Sequence[Completion]]) -> int:
-        """Count training's samples (tokens, samples, truncations), whichever loop generated them; their tokens."""
-        n_tokens = sum(len(c.token_ids) for o in outs for c in o)
-        self.tokens.inc(n_tokens)
+    def answered(self, outs: Sequence[Sequence[Completion]]) -> None:
+        """Count single-turn samples (samples, truncations) as their groups finish; their tokens are counted as
+        the engine returns them."""
         self.samples.inc(sum(len(o) for o in outs))
         self.truncated.inc(sum(c.finish_reason == "length" for o in outs for c in o))
-        return n_tokens

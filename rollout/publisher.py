@@ -1,11 +1,13 @@
 """Generated groups out: scored by the reward server, published to dapo:rollouts, their prompts acknowledged.
 
     publisher = Publisher(settings, consumer, reward, metrics)
-    publisher.publish(Generated(deliveries, prompts, outs, version))   # either loop, whenever groups are done
-    if publisher.held is not None: ...                                  # a reward outage: admit nothing new
-    publisher.retry_held()                                              # ... score them again once backed off
+    publisher.finish(runner, decode)     # either loop: the runner's finished groups out, its failed ones dead-lettered
+    if publisher.held is not None: ...   # a reward outage: admit nothing new
+    publisher.retry_held()               # ... score them again once backed off
 
-One scoring request for all the samples, then one ScoredGroup per prompt, tagged with the policy version of the
+Groups of episodes against an environment carry the environment's reward: published as they are. Groups of
+one-step episodes (single-turn prompts) are scored: one scoring request for all their samples, then one
+ScoredGroup per prompt, tagged with the policy version of the
 weights that generated it (and, from continuous batching, of every token: Sample schema 3's version_runs), is
 published and its prompt acknowledged in the same server-side step: a prompt is never acknowledged unpublished.
 If the reward server stays down past the retries, the groups are held (their prompts stay pending and are kept
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.engines.base import Completion
+from rollout.episode_runner import ONE_STEP, EpisodeRunner
 from rollout.episodes import Episode
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable, score_items
@@ -36,15 +39,25 @@ REWARD_BACKOFF_S, REWARD_BACKOFF_MAX_S = 1.0, 30.0  # between scoring attempts w
 
 @dataclass(frozen=True)
 class Generated:
-    """Groups generated, until the reward server has scored them."""
+    """Groups of one-step episodes (single-turn prompts' answers), until the reward server has scored them."""
 
     deliveries: list[Delivery[PromptTask]]
     prompts: list[list[int]]
     outs: list[list[Completion]]
-    version: int  # of the weights that generated them (their first token, with continuous batching)
+    versions: list[int]  # each group's: the weights that generated it (for completions without per-token versions)
+
+    @classmethod
+    def of(cls, done: list[tuple[Delivery[PromptTask], list[Episode]]]) -> Generated:
+        outs = [[e.last for e in eps if e.last is not None] for _, eps in done]
+        return cls([d for d, _ in done], [eps[0].opening for _, eps in done], outs,
+                   [eps[0].versions[0] if eps[0].versions else 0 for _, eps in done])  # fmt: skip
 
     def part(self, i: int) -> Generated:
-        return Generated([self.deliveries[i]], [self.prompts[i]], [self.outs[i]], self.version)
+        return Generated([self.deliveries[i]], [self.prompts[i]], [self.outs[i]], [self.versions[i]])
+
+    def __add__(self, other: Generated) -> Generated:
+        return Generated(self.deliveries + other.deliveries, self.prompts + other.prompts, self.outs + other.outs,
+                         self.versions + other.versions)  # fmt: skip
 
 
 class Publisher:
@@ -69,6 +82,25 @@ class Publisher:
         if self.held is None or self.retry_in() > 0:
             return 0
         return self.publish(self.held)
+
+    def finish(self, runner: EpisodeRunner, decode: Any) -> int:
+        """The runner's failed groups dead-lettered, its finished ones published: an environment's episodes as the
+        environment scored them, one-step ones scored first (held, with any held before, through a reward outage).
+        `decode`: token ids -> an episode's text."""
+        for d, kind, why in runner.take_failed():
+            log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
+            self.consumer.dead_letter([d], kind, why)
+        done = runner.take_finished()
+        scored = [(d, eps) for d, eps in done if eps and eps[0].env == ONE_STEP]
+        published = self.publish_episodes([g for g in done if g not in scored], decode)
+        if not scored:
+            return published
+        gen = Generated.of(scored)
+        self.m.answered(gen.outs)
+        if self.held is not None:  # scored with the held groups once the reward server answers
+            self.held = self.held + gen
+            return published
+        return published + self.publish(gen)
 
     def publish(self, gen: Generated) -> int:
         """Score, then publish the groups and acknowledge their prompts in one step. A reward outage keeps the
@@ -97,6 +129,8 @@ class Publisher:
     def publish_episodes(self, done: list[tuple[Delivery[PromptTask], list[Episode]]], decode: Any) -> int:
         """Finished episode groups published with their prompts' acknowledgement (no scoring request: the
         environment scored them)."""
+        if not done:
+            return 0
         good, bad = episode_groups(self.s, done, decode)
         for d, why in bad:
             log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
@@ -130,7 +164,7 @@ class Publisher:
         results = iter(self.reward.score(score_items(tasks, gen.outs, self.s.max_response_tokens)))
         self.m.reward_seconds.observe(time.perf_counter() - t0)
         groups = []
-        for task, prompt, o in zip(tasks, gen.prompts, gen.outs, strict=True):
+        for task, prompt, o, version in zip(tasks, gen.prompts, gen.outs, gen.versions, strict=True):
             samples = [
                 Sample(
                     response_token_ids=c.token_ids,
@@ -139,7 +173,7 @@ class Publisher:
                     finish_reason=c.finish_reason,
                     temperature=self.s.temperature,
                     top_p=self.s.top_p,
-                    **versions(c, gen.version),
+                    **versions(c, version),
                 )
                 for c in o
             ]

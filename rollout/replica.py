@@ -8,26 +8,30 @@
     loop.close()
 
     membership   the heartbeat and the weights served (rollout/membership.py)
+    episodes     every prompt's G samples as episodes: one-step for a single-turn prompt, against the
+                 environment service for an env task (rollout/episode_runner.py): the one rollout path
     publisher    scoring, publishing with the acknowledgement, the reward-outage hold, dead letters
                  (rollout/publisher.py)
     evaluator    the held-out evaluation beside training (rollout/evaluator.py)
     consumer     the prompts (dapo:prompts, consumer group `rollout`): own pending entries first after a restart,
                  then entries another replica left idle, then new ones
 
-Both loops hold the same parts, so the reward-outage hold, the sample metrics and the evaluation's postponement
-are written once; a loop only decides when prompts are read, generated and handed over.
+Both loops hold the same parts, so the rollout of a prompt, the reward-outage hold, the sample metrics and the
+evaluation's postponement are written once; a loop only decides when prompts are read and when the engine runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
 
 from rollout.engines.base import Engine, SamplingParams, encode_prompt
+from rollout.episode_runner import EpisodeRunner, env_task
 from rollout.evaluator import Evaluator
 from rollout.membership import Membership
 from rollout.metrics import RolloutMetrics
@@ -36,7 +40,9 @@ from rollout.reward_client import RewardClient
 from rollout.settings import RolloutSettings
 from rollout.weight_receiver import WeightReceiver
 from services.schemas import PromptTask
-from services.streams import GROUP_ROLLOUT, STREAM_PROMPTS, StreamConsumer
+from services.streams import GROUP_ROLLOUT, STREAM_PROMPTS, Delivery, StreamConsumer
+
+log = logging.getLogger(__name__)
 
 
 class Loop(Protocol):
@@ -57,6 +63,7 @@ class Replica:
     publisher: Publisher
     evaluator: Evaluator
     metrics: RolloutMetrics
+    episodes: EpisodeRunner
 
     @classmethod
     def build(
@@ -84,7 +91,27 @@ class Replica:
             Publisher(s, consumer, reward, metrics),
             Evaluator(s, client, reward, metrics),
             metrics,
+            EpisodeRunner(s, engine.tokenizer, metrics),
         )
+
+    def begin(self, d: Delivery[PromptTask]) -> bool:
+        """The prompt's G episodes begun (True); a malformed environment task dead-lettered instead (False)."""
+        try:
+            spec = env_task(d.message)
+        except ValueError as e:
+            log.error("prompt %s dead-lettered: %s", d.message.task_id, e)
+            self.consumer.dead_letter([d], "env_task_invalid", str(e)[:500])
+            return False
+        prompt = None if spec is not None else self.prompt_ids(d.message, self.episodes.tok)
+        self.episodes.start(d, self.call_params([d.message]), prompt)
+        return True
+
+    def publish(self) -> int:
+        """Groups held for a reward outage scored again once backed off; then the groups the episodes finished,
+        published, and the failed ones dead-lettered (held too while the outage lasts)."""
+        tok = self.episodes.tok
+        published = self.publisher.retry_held()
+        return published + self.publisher.finish(self.episodes, lambda ids: tok.decode(ids, skip_special_tokens=False))
 
     def call_params(self, tasks: list[PromptTask]) -> SamplingParams:
         """How these training prompts are sampled (seeded by them, with --seed)."""

@@ -21,6 +21,7 @@ import redis
 from learner.batching import to_tensors
 from learner.tiny import tiny_tokenizer
 from rollout.engines import Completion
+from rollout.engines.base import encode_prompt
 from rollout.episodes import Renderer
 from services.child_process import ROOT, child_env, running, wait_ready
 from services.episodes import ChatMessage, ResetResponse
@@ -37,6 +38,7 @@ from services.streams import (
 )
 from tests.integration.test_rollout_engines import TOL_HF, TOLERANCE, reference_logprobs
 from tests.integration.test_rollout_worker import groups, start, stop, wait_groups
+from tests.integration.test_rollout_worker import tasks as single_turn
 
 VLLM = [pytest.mark.slow, pytest.mark.vllm]
 FEEDBACK = "That is not right. Try again."
@@ -112,6 +114,42 @@ def test_env_tasks_become_token_exact_episode_groups(
     turns = sum(check_episode_group(g, env_url, model_dir, tol) for g in got)
     assert turns > 8  # a random model is mostly wrong: most episodes take both attempts
     assert client.xlen(DEAD_LETTER_STREAM) == 0
+
+
+@pytest.mark.parametrize(
+    ("engine", "tol"), [("hf", TOL_HF["fp32"]), pytest.param("vllm", TOLERANCE["fp32"], marks=VLLM)]
+)
+def test_single_turn_prompts_and_environment_tasks_take_one_rollout_path(
+    model_dir: Path, server: EmbeddedRedis, env_url: str, reward_url: str, engine: str, tol: float
+) -> None:
+    """One stream of both kinds through one replica (the chunked loop, continuous batching): a single-turn
+    prompt's group comes out as single-turn samples (no turns, scored by the reward server with overlong shaping
+    on its own prompt tokens), an environment task's as its episodes; nothing dead-lettered or left pending."""
+    client = connect(server.url)
+    ensure_group(client, STREAM_PROMPTS, "rollout")
+    mixed = [t for pair in zip(single_turn(3), env_tasks(3), strict=True) for t in pair]
+    StreamProducer(client, STREAM_PROMPTS).publish_many(mixed)
+    proc = start(model_dir, server.url, reward_url, "r0", "--env-url", env_url, "--dtype", "fp32",
+                 "--max-episode-tokens", "400", engine=engine)  # fmt: skip
+    try:
+        got = {g.task.task_id: g for g in wait_groups(client, 6, timeout_s=300)}
+    finally:
+        stop(proc)
+    assert sorted(got) == ["e0", "e1", "e2", "t0", "t1", "t2"]
+    tok = tiny_tokenizer()
+    for i in range(3):
+        g = got[f"t{i}"]
+        assert g.task.prompt_token_ids is not None
+        assert g.task.prompt_token_ids.tolist() == encode_prompt(tok, g.task.prompt or "", chat_template=True)
+        assert len(g.samples) == 3
+        for s, sc in zip(g.samples, g.scores, strict=True):
+            assert s.turns is None and s.episode is None and len(s.logprobs) == len(s.response_token_ids)
+            assert sc.acc == ("answer" not in s.response_text[-300:].lower())  # the reward server's verdict
+            n = len(s.response_token_ids)  # L_max 16, L_cache 3 (test_rollout_worker.py)
+            assert sc.reward == pytest.approx((1.0 if sc.acc else -1.0) + (0.0 if n <= 13 else (13 - n) / 3))
+        check_episode_group(got[f"e{i}"], env_url, model_dir, tol)
+    assert client.xlen(DEAD_LETTER_STREAM) == 0
+    assert client.xpending(STREAM_PROMPTS, "rollout")["pending"] == 0
 
 
 def dead_letters(client: redis.Redis) -> list[dict[bytes, bytes]]:
