@@ -13,8 +13,9 @@ point leaves them to be reclaimed. A reward outage holds the finished groups and
 scored (as the chunked loop does); sequences in flight still finish. A prompt the engine refuses (longer than the
 model's context) is dead-lettered: retrying it cannot help.
 
-The held-out evaluation shares the engine (`--eval-mode shared`): its prompts enter beside training's, at most
-`eval_share` of the sequences in flight, so training's rollouts never stop for it. Weights may change while it
+The held-out evaluation shares the engine (`--eval-mode shared`, rollout/shared_evaluation.py): its prompts and
+its environment tasks' episodes enter beside training's, at most `eval_share` of the sequences in flight, so
+training's rollouts never stop for it. Weights may change while it
 runs: it is reported as the evaluation of the version it began with, with the mean and newest versions that
 sampled its tokens and the share sampled by later versions (EvalResult). Its samples are not seeded one by one
 (vLLM on CPU cannot seed a request); `--eval-mode stop` drains the engine and runs the chunked, seeded evaluation
@@ -26,32 +27,24 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from rollout.engines.base import Completion, ContinuousBatching, encode_prompt
+from rollout.engines.base import Completion, ContinuousBatching
+from rollout.env_client import EnvUnavailable
+from rollout.episode_runner import EpisodeRunner
 from rollout.metrics import RolloutMetrics
 from rollout.replica import Replica
-from services.datasets import Item
+from rollout.shared_evaluation import EVAL_PRIORITY, SharedEvaluation
 
 log = logging.getLogger(__name__)
 IDLE_WINDOW_S = 60.0  # dapo_rollout_idle_fraction: over the last minute
-EVAL_PRIORITY = 1  # a label in the engine's book-keeping: which sequences are the evaluation's
-
-
-@dataclass
-class _Evaluation:
-    version: int
-    items: list[Item]
-    t0: float = field(default_factory=time.perf_counter)
-    submitted: int = 0
-    outs: dict[int, list[Completion]] = field(default_factory=dict)
 
 
 class ContinuousLoop:
     def __init__(self, replica: Replica, engine: ContinuousBatching):
         self.r, self.engine, self.m = replica, engine, replica.metrics
         self.episodes = replica.episodes  # every prompt's G samples, one-step or against an environment
-        self.evaluation: _Evaluation | None = None
+        self.evaluation: SharedEvaluation | None = None
+        self._eval_episodes: EpisodeRunner | None = None  # the evaluations' environment tasks, made at the first
         self.waiting_load = False  # drain mode: new weights wait for the sequences in flight
         self.eval_waiting = False  # --eval-mode stop: the evaluation waits for the sequences in flight
         self.group_size = 1  # samples per prompt, as the last prompt asked: how many prompts fit
@@ -77,6 +70,8 @@ class ContinuousLoop:
         """Leave: the sequences in flight are dropped; their prompts stay pending for another replica."""
         self.engine.abort()
         self.episodes.close()
+        if self._eval_episodes is not None:
+            self._eval_episodes.close()
 
     def sync_weights(self) -> None:
         """keep/recompute: load now, sequences in flight; drain: stop admitting, load when none is in flight."""
@@ -105,7 +100,7 @@ class ContinuousLoop:
         if count < 1:
             r.consumer.keep_alive()  # the prompts in flight stay ours
             return False
-        idle = wait and not self.engine.in_flight() and not runner.pending()
+        idle = wait and not self.engine.in_flight() and not runner.pending() and self.evaluation is None
         began = False
         for d in r.consumer.read(count=count, block_ms=1000 if idle else 0):
             if runner.holds(d.entry_id):
@@ -126,8 +121,12 @@ class ContinuousLoop:
 
     def wait_for_environments(self) -> None:
         """Nothing in the engine, episodes waiting for their environment: a short wait, not a busy loop."""
-        if not self.engine.in_flight() and not self.episodes.ready:
-            self.episodes.wait(0.05)
+        runners = [self.episodes] + ([self.evaluation.runner] if self.evaluation is not None else [])
+        if self.engine.in_flight() or any(r.ready for r in runners):
+            return
+        busy = [r for r in runners if r.calls]
+        if busy:
+            busy[0].wait(0.05)
 
     def _finished(self, key: str, outs: list[Completion]) -> None:
         """A model turn is done: its episode goes on (to its environment's step, or its end); an evaluation's
@@ -137,9 +136,9 @@ class ContinuousLoop:
             self.m.versions_per_sample.observe(n)
             if n > 1:
                 self.m.multi_version_samples.inc()
-        if key.startswith("e/"):
+        if key.startswith(("e/", "v/")):
             assert self.evaluation is not None
-            self.evaluation.outs[int(key.rsplit("/", 1)[1])] = outs
+            self.evaluation.finished(key, outs)
             return
         self.episodes.engine_done(key, outs[0], self.engine.version)
         n = len(outs[0].token_ids)
@@ -149,27 +148,23 @@ class ContinuousLoop:
     # ---------------------------------------------------------------- the held-out evaluation
 
     def advance_evaluation(self) -> None:
-        """Start a due evaluation, submit its prompts as its share of the engine allows, report it once done."""
+        """Start a due evaluation, submit its prompts and turns as its share of the engine allows, report it once
+        done (rollout/shared_evaluation.py)."""
         if self.evaluation is None and not self._start_evaluation():
             return
-        ev, s = self.evaluation, self.r.s
+        ev = self.evaluation
         assert ev is not None
         if self.waiting_load:
             return
-        share = max(s.eval_k, int(s.max_in_flight * s.eval_share))
-        while ev.submitted < len(ev.items) and self.engine.in_flight(EVAL_PRIORITY) + s.eval_k <= share:
-            prompt = encode_prompt(self.engine.tokenizer, ev.items[ev.submitted].prompt, s.chat_template)
-            params = self.r.evaluator.params()
-            self.engine.submit(f"e/{ev.version}/{ev.submitted}", prompt, s.eval_k, params, priority=EVAL_PRIORITY)
-            ev.submitted += 1
-        if len(ev.outs) == len(ev.items) and self.r.evaluator.retry_in() <= 0:
-            outs = [ev.outs[i] for i in range(len(ev.items))]
-            if self.r.evaluator.report(ev.items, outs, ev.version, ev.t0) is not None:
+        ev.advance()
+        if not ev.complete() or self.r.evaluator.retry_in() > 0:
+            return
+        try:
+            if ev.report():
                 self.evaluation = None
-
-    def _env_held_out(self, version: int) -> bool:
-        items = self.r.evaluator.held_out(version)
-        return items is not None and self.r.evaluator.has_env_items()
+        except EnvUnavailable as e:
+            self.r.evaluator.postpone(ev.version, e)
+            self.evaluation = None
 
     def _start_evaluation(self) -> bool:
         """An evaluation beside training has begun (`--eval-mode shared`); `stop` drains the engine instead, then
@@ -177,8 +172,7 @@ class ContinuousLoop:
         version, ev = self.engine.version, self.r.evaluator
         if not ev.due(version):
             return False
-        if self.r.s.eval_mode == "stop" or self.eval_waiting or self._env_held_out(version):
-            # stop the world: drain, then the chunked, seeded evaluation (held-out episodes always run so)
+        if self.r.s.eval_mode == "stop" or self.eval_waiting:  # stop the world: drain, then the seeded evaluation
             self.eval_waiting = True
             if not self.engine.in_flight() and not self.episodes.pending():  # episodes too: their prompts wait
                 ev.run_seeded(self.engine.chunked)  # `dapo-mesh eval`'s numbers for these weights and seed
@@ -187,7 +181,10 @@ class ContinuousLoop:
         items = ev.held_out(version)
         if items is None:
             return False
-        self.evaluation = _Evaluation(version, items)
+        if self._eval_episodes is None:
+            self._eval_episodes = EpisodeRunner(self.r.s, self.engine.tokenizer, self.m, hold_outages=False,
+                                                prefix="v/", priority=EVAL_PRIORITY)  # fmt: skip
+        self.evaluation = SharedEvaluation(self.r, self.engine, self._eval_episodes, version, items)
         return True
 
 

@@ -23,7 +23,7 @@ prompt pending and kept alive.
     runner = EpisodeRunner(settings, tokenizer, metrics)
     runner.start(delivery, params, prompt) # G episodes of the prompt, sampled with `params` (`prompt`: one-step)
     runner.advance(engine)                 # finished environment calls -> the next model turns submitted
-    runner.engine_done(key, completion)    # a model turn finished (keys start with "x/") -> its environment step
+    runner.engine_done(key, completion)    # a model turn finished (keys start with runner.prefix) -> its next step
     for delivery, episodes in runner.take_finished(): ...
     for delivery, kind, why in runner.take_failed(): ...   # kind: the dead letter's (env_failed, engine_rejected)
 
@@ -125,10 +125,14 @@ class EpisodeRunner:
         client: EnvClient | None = None,
         *,
         hold_outages: bool = True,
+        prefix: str = "x/",
+        priority: int = 0,
     ):
         """`hold_outages`: an unreachable service begins episodes again until it answers (training); False: the
-        episode fails at once (an evaluation is postponed instead)."""
+        episode fails at once (an evaluation is postponed instead). `prefix`: of the engine keys of its model
+        turns; `priority`: their label in a continuous engine's book-keeping (the evaluation's share)."""
         self.s, self.m, self.tok, self.hold_outages = s, metrics, tokenizer, hold_outages
+        self.prefix, self.priority = prefix, priority
         token = s.env_token.get_secret_value() if s.env_token else None
         self.client = client or EnvClient(s.env_url, token=token, timeout_s=s.env_timeout_s, retries=s.env_retries)
         self.render = Renderer(tokenizer, s.chat_template)
@@ -323,9 +327,10 @@ class EpisodeRunner:
             if room <= 0:
                 self._cut(lv)
                 continue
-            key = f"x/{lv.id}/{lv.turn}"
+            key = self.key(lv)
             try:
-                engine.submit(key, ep.prompt_ids(), 1, dataclasses.replace(lv.group.params, max_tokens=room))
+                params = dataclasses.replace(lv.group.params, max_tokens=room)
+                engine.submit(key, ep.prompt_ids(), 1, params, priority=self.priority)
             except RequestRefused as e:  # too long for the engine's context: not retried
                 what = "it" if lv.group.one_step else f"episode {lv.j}'s turn {lv.turn + 1}"
                 lv.group.failed = f"the engine refused {what}: {e}"[:1000]
@@ -333,6 +338,10 @@ class EpisodeRunner:
                 continue
             lv.t0 = time.perf_counter()
             self.generating[key] = lv
+
+    def key(self, lv: _Live) -> str:
+        """The engine key of the episode's next model turn."""
+        return f"{self.prefix}{lv.id}/{lv.turn}"
 
     def budget(self, lv: _Live) -> int:
         """Tokens the episode's next model turn may take: the sampling's max_tokens within --max-episode-tokens;
@@ -444,7 +453,7 @@ def run_turn_by_turn(
                 [lv.ep.prompt_ids() for lv in part if lv.ep], 1, dataclasses.replace(params, max_tokens=room)
             )
             for lv, out in zip(part, outs, strict=True):
-                key = f"x/{lv.id}/{lv.turn}"
+                key = runner.key(lv)
                 runner.generating[key] = lv
                 lv.t0 = t0
                 tokens += len(out[0].token_ids)

@@ -127,6 +127,16 @@ class Episode:
         else:
             self.turns.append(Turn(role=role, tokens=n))
 
+    def model_runs(self) -> list[tuple[int, int]]:
+        """(version, tokens) runs of the model's tokens only, oldest first."""
+        runs: list[tuple[int, int]] = []
+        at = 0
+        for t in self.turns:
+            if t.role == "model":
+                runs += [(v, len(list(g))) for v, g in itertools.groupby(self.versions[at : at + t.tokens])]
+            at += t.tokens
+        return runs
+
     def count_tools(self, stats: ToolStats) -> None:
         for k, v in stats.model_dump().items():
             setattr(self.tools, k, getattr(self.tools, k) + v)

@@ -26,6 +26,7 @@ from typing import Any
 
 from rollout.engines.base import Completion, Engine, SamplingParams, encode_prompt
 from rollout.episode_runner import ENV_PREFIX, EpisodeRunner, run_items
+from rollout.episodes import Episode
 from rollout.reward_client import RewardClient, score_items
 from services.datasets import DEFAULT_DATASET_CONFIG, Item, Template, load_source, read_items
 from services.schemas import PromptTask
@@ -149,15 +150,26 @@ def evaluate(
 def episode_samples(
     runner: EpisodeRunner, engine: Engine, items: Sequence[Item], k: int, params: SamplingParams, version: int
 ) -> list[EvalSample]:
-    """k episodes of each environment task; acc: the environment's reward is positive."""
-    tasks = [PromptTask(task_id=f"eval.{version}.{i}", prompt_id=it.prompt_id, prompt=it.prompt, n_samples=k,
-                        ground_truth=it.ground_truth, verifier=it.verifier, data_source=it.data_source)
-             for i, it in enumerate(items)]  # fmt: skip
-    done = run_items(runner, engine, tasks, params)
+    """k episodes of each environment task, turn by turn; acc: the environment's reward is positive."""
+    tasks = eval_tasks(items, k, version)
+    return episode_eval_samples(tasks, run_items(runner, engine, tasks, params), engine.tokenizer)
+
+
+def eval_tasks(items: Sequence[Item], k: int, version: int) -> list[PromptTask]:
+    """Held-out environment tasks as the prompts of k episodes each."""
+    return [PromptTask(task_id=f"eval.{version}.{i}", prompt_id=it.prompt_id, prompt=it.prompt, n_samples=k,
+                       ground_truth=it.ground_truth, verifier=it.verifier, data_source=it.data_source)
+            for i, it in enumerate(items)]  # fmt: skip
+
+
+def episode_eval_samples(
+    tasks: Sequence[PromptTask], done: dict[str, list[Episode]], tokenizer: Any
+) -> list[EvalSample]:
+    """Each task's finished episodes (task_id -> episodes) as scored samples: acc, the reward is positive."""
     samples = []
     for task in tasks:
         for j, ep in enumerate(done[task.task_id]):
-            text = engine.tokenizer.decode(ep.ids)
+            text = tokenizer.decode(ep.ids)
             model_tokens = sum(t.tokens for t in ep.turns if t.role == "model")
             reward = float(ep.reward or 0.0)
             finish = "length" if ep.ended == "max_tokens" else "stop"

@@ -3,9 +3,9 @@ training, and publishing the result to dapo:eval and as dapo_eval_* metrics. Bot
 
     evaluator = Evaluator(settings, client, reward, metrics)
     evaluator.run_seeded(engine)              # the chunked loop (and `--eval-mode stop`, once drained)
-    if evaluator.due(version):                # continuous batching, `--eval-mode shared`: its prompts enter
-        items = evaluator.held_out(version)   # beside training's ...
-        evaluator.report(items, outs, version, t0, runs)   # ... and are scored once all have finished
+    if evaluator.due(version):                # continuous batching, `--eval-mode shared`: its prompts and
+        items = evaluator.held_out(version)   # episodes enter beside training's (rollout/shared_evaluation.py)
+        evaluator.report(items, outs, version, t0, episodes, runs)   # ... scored once all have finished
 
 With --eval-every n it evaluates at the first version served and then at the first version at or past each
 multiple of n. The seeded run is rollout/evaluate.py's `evaluate`, the same function as `dapo-mesh eval`: the
@@ -26,7 +26,15 @@ import redis
 from rollout.engines.base import Completion, Engine, SamplingParams
 from rollout.env_client import EnvUnavailable
 from rollout.episode_runner import ENV_PREFIX, EpisodeRunner
-from rollout.evaluate import EvalReport, EvaluationStopped, evaluate, load_eval_items, score_samples, summarize
+from rollout.evaluate import (
+    EvalReport,
+    EvalSample,
+    EvaluationStopped,
+    evaluate,
+    load_eval_items,
+    score_samples,
+    summarize,
+)
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
 from rollout.settings import RolloutSettings
@@ -52,11 +60,6 @@ class Evaluator:
         if self._episodes is None:
             self._episodes = EpisodeRunner(self.s, engine.tokenizer, self.m, hold_outages=False)
         return self._episodes
-
-    def has_env_items(self) -> bool:
-        """The held-out items hold environment tasks (run as episodes, in seeded engine calls: never beside
-        training's sequences)."""
-        return any(it.verifier.startswith(ENV_PREFIX) for it in self.items or [])
 
     def due(self, version: int) -> bool:
         """An evaluation of the weights of this version is to run now."""
@@ -119,17 +122,26 @@ class Evaluator:
         return self.publish(report)
 
     def report(
-        self, items: Sequence[Item], outs: Sequence[Sequence[Completion]], version: int, t0: float
+        self,
+        items: Sequence[Item],
+        outs: Sequence[Sequence[Completion]],
+        version: int,
+        t0: float,
+        episodes: Sequence[EvalSample] = (),
+        episode_runs: Sequence[tuple[int, int]] = (),
     ) -> EvalResult | None:
-        """Samples drawn beside training, from `version` on (t0: when it began, time.perf_counter()): scored in one
-        request and published, with the versions that sampled their tokens. None: postponed (reward server)."""
+        """Samples drawn beside training, from `version` on (t0: when it began, time.perf_counter()): the
+        single-turn items' `outs` (in order) scored in one request, the environment tasks' `episodes` already
+        scored (their model tokens' version runs: `episode_runs`), published with the versions that sampled their
+        tokens. None: postponed (reward server)."""
+        plain = [it for it in items if not it.verifier.startswith(ENV_PREFIX)]
         try:
-            samples = score_samples(items, outs, self.reward, self.s.max_response_tokens)
+            samples = score_samples(plain, outs, self.reward, self.s.max_response_tokens) if plain else []
         except (RewardUnavailable, RewardRejected) as e:
             self.postpone(version, e)
             return None
-        report = summarize(items, samples, self.s.eval_k, version, time.perf_counter() - t0)
-        return self.publish(report, [r for o in outs for c in o for r in (c.versions or ())])
+        report = summarize(items, [*samples, *episodes], self.s.eval_k, version, time.perf_counter() - t0)
+        return self.publish(report, [r for o in outs for c in o for r in (c.versions or ())] + list(episode_runs))
 
     def publish(self, report: EvalReport, runs: list[tuple[int, int]] | None = None) -> EvalResult:
         """`runs`: the (version, tokens) runs of every sample, from continuous batching (weights moved meanwhile)."""

@@ -23,7 +23,9 @@ from learner.tiny import tiny_tokenizer
 from rollout.engines import Completion
 from rollout.engines.base import encode_prompt
 from rollout.episodes import Renderer
+from rollout.evaluate import load_eval_items
 from services.child_process import ROOT, child_env, running, wait_ready
+from services.datasets import Item, write_items
 from services.episodes import ChatMessage, ResetResponse
 from services.redis_server import EmbeddedRedis, free_port
 from services.schemas import EvalResult, PromptTask, ScoredGroup, TrainBatch
@@ -247,21 +249,34 @@ def test_the_environment_service_killed_mid_episode_loses_and_duplicates_nothing
 
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=VLLM)])
 def test_held_out_environment_tasks_are_evaluated_as_episodes(
-    model_dir: Path, server: EmbeddedRedis, env_url: str, engine: str
+    model_dir: Path, server: EmbeddedRedis, env_url: str, reward_url: str, engine: str, tmp_path: Path
 ) -> None:
-    """A replica's held-out evaluation of `env:retry`: k episodes per task (with continuous batching: drained
-    first, then turn by turn), success = a positive reward, reported per task."""
+    """A replica's held-out evaluation of a file mixing `env:retry` tasks and single-turn items: k episodes per
+    environment task (success = a positive reward), k samples per single-turn item scored by the reward server,
+    reported per task. The chunked loop runs it seeded, turn by turn; continuous batching beside training's
+    episodes (`--eval-mode shared`), so it reports the versions of its tokens (the seeded run does not)."""
     client = connect(server.url)
-    proc = start(model_dir, server.url, "http://127.0.0.1:9", "r0", "--env-url", env_url, "--eval-every", "1",
-                 "--eval-data", "env:retry", "--eval-size", "3", "--eval-k", "2", engine=engine)  # fmt: skip
+    held_out = tmp_path / "eval.jsonl"
+    single = [Item(f"s{i}", f"Say something about {i}.", "[INVALID]", "dapo_math", "test") for i in range(2)]
+    write_items(held_out, [*load_eval_items("env:retry", size=3), *single])
+    ensure_group(client, STREAM_PROMPTS, "rollout")
+    StreamProducer(client, STREAM_PROMPTS).publish_many(env_tasks(4))  # training's episodes beside it
+    proc = start(model_dir, server.url, reward_url, "r0", "--env-url", env_url, "--eval-every", "1",
+                 "--eval-data", str(held_out), "--eval-size", "5", "--eval-k", "2", engine=engine)  # fmt: skip
     try:
         deadline = time.monotonic() + 240
         while not client.xlen(STREAM_EVAL):
             assert time.monotonic() < deadline, "no held-out evaluation"
             assert proc.poll() is None, "the replica exited"
             time.sleep(0.2)
+        wait_groups(client, 4, timeout_s=240)
     finally:
         stop(proc)
     result = decode(client.xrange(STREAM_EVAL)[0][1], EvalResult)
-    assert (result.k, result.n_prompts, list(result.by_task)) == (2, 3, ["env/retry"])
+    assert (result.k, result.n_prompts, sorted(result.by_task)) == (2, 5, ["env/retry", "test"])
     assert 0 <= result.avg_at_k <= 1 and result.mean_response_tokens > 0
+    if engine == "vllm":  # shared: the versions of the tokens it sampled, model tokens only
+        assert result.mean_token_version == 0.0 and result.newest_version == 0 and result.later_token_frac == 0.0
+    else:
+        assert result.mean_token_version is None
+    assert client.xlen(DEAD_LETTER_STREAM) == 0
