@@ -246,7 +246,7 @@ class EpisodeRunner:
             if v:
                 self.m.tool_calls.labels(k).inc(v)
         if out.error:
-            self._fail(lv, f"the environment failed: {out.error}")
+            self._fail(lv, f"turn {lv.turn}'s step: {out.error}")  # the service's words: ours say what failed
         elif out.done:
             ep.reward = out.reward if out.reward is not None else -1.0
             self._end(lv, "max_turns" if out.truncated else "done")
@@ -449,13 +449,27 @@ def run_turn_by_turn(
                     runner._cut(lv)
                 continue
             t0 = time.perf_counter()
-            outs = engine.generate(
-                [lv.ep.prompt_ids() for lv in part if lv.ep], 1, dataclasses.replace(params, max_tokens=room)
-            )
-            for lv, out in zip(part, outs, strict=True):
+            prompts, n = same_prompts([lv.ep.prompt_ids() for lv in part if lv.ep])
+            outs = engine.generate(prompts, n, dataclasses.replace(params, max_tokens=room))
+            for lv, out in zip(part, [c for o in outs for c in o], strict=True):
                 key = runner.key(lv)
                 runner.generating[key] = lv
                 lv.t0 = t0
-                tokens += len(out[0].token_ids)
-                runner.engine_done(key, out[0], engine.version)
+                tokens += len(out.token_ids)
+                runner.engine_done(key, out, engine.version)
     return tokens
+
+
+def same_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Runs of the same prompt as one prompt with a count: a group's one-step episodes (or its episodes' first
+    turns) are one prompt with G samples to the engine, which batches them (the HF engine: one `generate` of G
+    rows; as G prompts of one sample, the HF replica's loop measured 0.38 of raw `generate` instead of 1.04)."""
+    out: list[list[int]] = []
+    n: list[int] = []
+    for p in prompts:
+        if out and out[-1] == p:
+            n[-1] += 1
+        else:
+            out.append(p)
+            n.append(1)
+    return out, n
