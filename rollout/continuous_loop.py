@@ -182,8 +182,9 @@ class ContinuousLoop:
         if items is None:
             return False
         if self._eval_episodes is None:
-            self._eval_episodes = EpisodeRunner(self.r.s, self.engine.tokenizer, self.m, hold_outages=False,
-                                                prefix="v/", priority=EVAL_PRIORITY)  # fmt: skip
+            self._eval_episodes = EpisodeRunner(
+                self.r.s, self.engine.tokenizer, self.m, hold_outages=False, prefix="v/", priority=EVAL_PRIORITY
+            )
         self.evaluation = SharedEvaluation(self.r, self.engine, self._eval_episodes, version, items)
         return True
 

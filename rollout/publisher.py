@@ -49,15 +49,15 @@ class Generated:
     @classmethod
     def of(cls, done: list[tuple[Delivery[PromptTask], list[Episode]]]) -> Generated:
         outs = [[e.last for e in eps if e.last is not None] for _, eps in done]
-        return cls([d for d, _ in done], [eps[0].opening for _, eps in done], outs,
-                   [eps[0].versions[0] if eps[0].versions else 0 for _, eps in done])  # fmt: skip
+        versions = [eps[0].versions[0] if eps[0].versions else 0 for _, eps in done]
+        return cls([d for d, _ in done], [eps[0].opening for _, eps in done], outs, versions)
 
     def part(self, i: int) -> Generated:
         return Generated([self.deliveries[i]], [self.prompts[i]], [self.outs[i]], [self.versions[i]])
 
     def __add__(self, other: Generated) -> Generated:
-        return Generated(self.deliveries + other.deliveries, self.prompts + other.prompts, self.outs + other.outs,
-                         self.versions + other.versions)  # fmt: skip
+        d, p, o, v = self.deliveries, self.prompts, self.outs, self.versions
+        return Generated(d + other.deliveries, p + other.prompts, o + other.outs, v + other.versions)
 
 
 class Publisher:

@@ -39,8 +39,9 @@ class _Episodes:
 
 
 class SharedEvaluation:
-    def __init__(self, replica: Replica, engine: ContinuousBatching, runner: EpisodeRunner, version: int,
-                 items: list[Item]):  # fmt: skip
+    def __init__(
+        self, replica: Replica, engine: ContinuousBatching, runner: EpisodeRunner, version: int, items: list[Item]
+    ):
         """`runner`: the evaluation's episode runner (prefix "v/", priority EVAL_PRIORITY), kept across them."""
         self.r, self.engine, self.runner, self.version, self.items = replica, engine, runner, version, items
         self.plain = [it for it in items if not it.verifier.startswith(ENV_PREFIX)]
