@@ -95,12 +95,14 @@ class ContinuousLoop:
             if not self.engine.in_flight():
                 time.sleep(0.1)  # held for a reward outage, nothing to step: no busy loop
             return False
-        room = min(r.s.max_in_flight - self.engine.in_flight(), r.s.max_episodes - runner.pending())
-        count = room // self.group_size  # episodes waiting for their environment are not in the engine
+        # --max-episodes bounds environments' episodes (those waiting for their environment are not in the engine)
+        room = min(r.s.max_in_flight - self.engine.in_flight(), r.s.max_episodes - runner.live_env)
+        count = room // self.group_size
         if count < 1:
             r.consumer.keep_alive()  # the prompts in flight stay ours
             return False
-        idle = wait and not self.engine.in_flight() and not runner.pending() and self.evaluation is None
+        ev_waits = self.evaluation is not None and self.evaluation.runner.pending()  # on its environment
+        idle = wait and not self.engine.in_flight() and not runner.pending() and not ev_waits
         began = False
         for d in r.consumer.read(count=count, block_ms=1000 if idle else 0):
             if runner.holds(d.entry_id):

@@ -90,7 +90,7 @@ class EnvClient:
         @retry(
             retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(self.retries + 1),
-            wait=wait_exponential_jitter(initial=0.5, max=10),
+            wait=wait_exponential_jitter(multiplier=0.5, max=10),
             sleep=self._sleep,
             reraise=True,
         )

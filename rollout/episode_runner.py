@@ -87,12 +87,9 @@ class _Group:
     body: dict[str, Any]
     params: SamplingParams
     done: list[Episode | None]
+    one_step: bool = False  # a single-turn prompt's (whatever an environment task names its environment)
     failed: str | None = None
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
-
-    @property
-    def one_step(self) -> bool:
-        return self.env == ONE_STEP
 
     @property
     def dead_letter_kind(self) -> str:
@@ -160,12 +157,13 @@ class EpisodeRunner:
         one-step episodes opening on `prompt` (its tokens), ready for their model turn at once."""
         spec = env_task(d.message)
         env, body = spec if spec is not None else (ONE_STEP, {})
-        g = _Group(d, env, body, params, [None] * d.message.n_samples)
+        g = _Group(d, env, body, params, [None] * d.message.n_samples, one_step=spec is None)
         self.groups.append(g)
         if g.one_step:
-            assert prompt is not None, "a single-turn prompt's episodes open on its tokens"
+            if prompt is None:
+                raise ValueError("a single-turn prompt's episodes open on its tokens: `prompt` is missing")
             for j in range(d.message.n_samples):
-                self._begin(lv := _Live(g, j, ep=Episode(env=ONE_STEP, opening=list(prompt))))
+                self._begin(lv := _Live(g, j, ep=Episode(env=ONE_STEP, opening=list(prompt), one_step=True)))
                 self.ready.append(lv)
             return
         if self.render_problem:
@@ -178,7 +176,7 @@ class EpisodeRunner:
         self.live += 1
         if not lv.group.one_step:  # the episode metrics count environments' episodes (one-step ones are samples)
             self.live_env += 1
-            self.m.episodes_live.set(self.live_env)
+            self.m.episodes_live.inc()  # inc/dec: training's runner and the evaluation's count into one gauge
 
     def _reset(self, lv: _Live, delay_s: float = 0.0) -> None:
         self._begin(lv)
@@ -280,7 +278,7 @@ class EpisodeRunner:
         self.live -= 1
         if not lv.group.one_step:
             self.live_env -= 1
-            self.m.episodes_live.set(self.live_env)
+            self.m.episodes_live.dec()
             if ended is not None:
                 self.m.episodes.labels(lv.group.env, ended).inc()
         if lv.base:
@@ -360,7 +358,8 @@ class EpisodeRunner:
         assert ep is not None
         spent = time.perf_counter() - lv.t0
         ep.generate_seconds += spent
-        self.m.episode_seconds.labels("generate").inc(spent)
+        if not lv.group.one_step:
+            self.m.episode_seconds.labels("generate").inc(spent)
         ep.add_model(completion, version)
         lv.turn += 1
         if lv.group.failed is not None:

@@ -98,6 +98,9 @@ class Episode:
     ended: Ended | None = None
     env_seconds: float = 0.0
     generate_seconds: float = 0.0
+    one_step: bool = (
+        False  # a single-turn prompt's answer: scored by the reward server, published as a single-turn sample
+    )
 
     def prompt_ids(self) -> list[int]:
         return self.opening + self.ids

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.engines.base import Completion
-from rollout.episode_runner import ONE_STEP, EpisodeRunner
+from rollout.episode_runner import EpisodeRunner
 from rollout.episodes import Episode
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable, score_items
@@ -91,7 +91,7 @@ class Publisher:
             log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
             self.consumer.dead_letter([d], kind, why)
         done = runner.take_finished()
-        scored = [(d, eps) for d, eps in done if eps and eps[0].env == ONE_STEP]
+        scored = [(d, eps) for d, eps in done if eps and eps[0].one_step]
         published = self.publish_episodes([g for g in done if g not in scored], decode)
         if not scored:
             return published

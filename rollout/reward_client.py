@@ -44,7 +44,7 @@ class RewardClient:
         call = retry(
             retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(self.retries + 1),
-            wait=wait_exponential_jitter(initial=0.2, max=5.0),
+            wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
             reraise=True,
         )(self._post)
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from learner.tiny import tiny_tokenizer
@@ -91,3 +92,15 @@ def test_continuous_batching_submits_each_answer_and_dead_letters_a_refused_prom
 def test_same_prompts_counts_runs_of_one_prompt() -> None:
     assert same_prompts([[1], [1], [2], [1]]) == ([[1], [2], [1]], [2, 1, 1])
     assert same_prompts([]) == ([], [])
+
+
+def test_an_environment_named_like_the_local_one_is_still_an_environment() -> None:
+    """Only a single-turn prompt is one-step: `env:one-step` is an environment task (reset on the service), and a
+    single-turn prompt without its tokens is refused, not started."""
+    r = runner(env_url="http://127.0.0.1:9", env_retries=0)
+    t = task(0, g=2).message.model_copy(update={"verifier": f"env:{ONE_STEP}", "ground_truth": '{"seed": 1}'})
+    r.start(Delivery("1-0", t, 1), SamplingParams())
+    assert r.live_env == 2 and len(r.calls) == 2 and not r.ready  # two resets on their way to the service
+    r.close()
+    with pytest.raises(ValueError, match="open on its tokens"):
+        r.start(task(1), SamplingParams())
