@@ -92,7 +92,7 @@ class Publisher:
             self.consumer.dead_letter([d], kind, why)
         done = runner.take_finished()
         scored = [(d, eps) for d, eps in done if eps and eps[0].one_step]
-        published = self.publish_episodes([g for g in done if g not in scored], decode)
+        published = self.publish_episodes([(d, eps) for d, eps in done if not (eps and eps[0].one_step)], decode)
         if not scored:
             return published
         gen = Generated.of(scored)
