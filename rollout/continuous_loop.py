@@ -31,6 +31,7 @@ from collections import deque
 from rollout.engines.base import Completion, ContinuousBatching
 from rollout.env_client import EnvUnavailable
 from rollout.episode_runner import EpisodeRunner
+from rollout.gateway.core import Gateway
 from rollout.metrics import RolloutMetrics
 from rollout.replica import Replica
 from rollout.shared_evaluation import EVAL_PRIORITY, SharedEvaluation
@@ -40,8 +41,9 @@ IDLE_WINDOW_S = 60.0  # dapo_rollout_idle_fraction: over the last minute
 
 
 class ContinuousLoop:
-    def __init__(self, replica: Replica, engine: ContinuousBatching):
+    def __init__(self, replica: Replica, engine: ContinuousBatching, gateway: Gateway | None = None):
         self.r, self.engine, self.m = replica, engine, replica.metrics
+        self.gateway = gateway  # the OpenAI-compatible gateway's sessions (rollout/gateway/), if served
         self.episodes = replica.episodes  # every prompt's G samples, one-step or against an environment
         self.evaluation: SharedEvaluation | None = None
         self._eval_episodes: EpisodeRunner | None = None  # the evaluations' environment tasks, made at the first
@@ -55,13 +57,22 @@ class ContinuousLoop:
         self.r.membership.tokens_per_s = self.window.account(self.idle)
         self.sync_weights()
         published = self.r.publish()
+        gw = self.gateway
+        if gw is not None:  # its calls first: an agent waits on each
+            gw.advance(self.engine, self.r.consumer)
+            published += gw.publish(self.r.consumer)
         self.advance_episodes()  # episodes' next turns take the engine's room before new prompts do
-        if self.admit(wait=not published):
+        if not self.r.s.gateway_only and self.admit(wait=not published):
             self.advance_episodes()  # the new prompts' first turns
         self.wait_for_environments()
         self.advance_evaluation()
+        if gw is not None and not self.engine.in_flight() and not self.episodes.pending():
+            gw.idle_wait(0.1)  # a call wakes it at once
         self.idle = not self.engine.in_flight()  # then nothing runs until the next call (a read waited instead)
-        for key, outs in self.engine.step():
+        finished = self.engine.step()
+        if gw is not None:  # streamed tokens out first: a finished call's last ones are among them
+            gw.stream(self.engine.take_deltas())
+        for key, outs in finished:
             self._finished(key, outs)
         self.m.in_flight.set(self.engine.in_flight())
         return published
@@ -104,7 +115,8 @@ class ContinuousLoop:
         ev_waits = self.evaluation is not None and self.evaluation.runner.pending()  # on its environment
         idle = wait and not self.engine.in_flight() and not runner.pending() and not ev_waits
         began = False
-        for d in r.consumer.read(count=count, block_ms=1000 if idle else 0):
+        block_ms = (50 if self.gateway is not None else 1000) if idle else 0  # the gateway's calls wait less
+        for d in r.consumer.read(count=count, block_ms=block_ms):
             if runner.holds(d.entry_id):
                 continue  # our own entry again (a replay after a restart of the consumer): it is in flight
             if r.begin(d):
@@ -138,6 +150,11 @@ class ContinuousLoop:
             self.m.versions_per_sample.observe(n)
             if n > 1:
                 self.m.multi_version_samples.inc()
+        if key.startswith("g/"):
+            assert self.gateway is not None
+            self.gateway.finished(key, outs)
+            self.m.tokens.inc(sum(len(c.token_ids) for c in outs))
+            return
         if key.startswith(("e/", "v/")):
             assert self.evaluation is not None
             self.evaluation.finished(key, outs)

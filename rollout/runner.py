@@ -19,6 +19,9 @@ import redis
 from rollout.chunked_loop import ChunkedLoop
 from rollout.continuous_loop import ContinuousLoop
 from rollout.engines import load_engine
+from rollout.gateway.app import create_gateway_app, serve_gateway
+from rollout.gateway.core import Gateway
+from rollout.gateway.metrics import GatewayMetrics
 from rollout.metrics import RolloutMetrics
 from rollout.replica import Loop, Replica
 from rollout.reward_client import RewardClient
@@ -75,21 +78,25 @@ def build(
         log.info(
             "continuous batching: up to %d sequences in flight, weight updates: %s", s.max_in_flight, s.weight_update
         )
-        return replica, ContinuousLoop(replica, engine)
+        gateway = Gateway(s, engine.tokenizer, GatewayMetrics(metrics.registry)) if s.gateway_port is not None else None
+        return replica, ContinuousLoop(replica, engine, gateway)
+    if s.gateway_port is not None:
+        raise ValueError("--gateway-port: the gateway is served by the vllm engine's continuous batching")
     chunked = load_engine(s.model_dir, s.engine, dtype=dtype, **engine_placement(s))
     replica = Replica.build(s, client, chunked, reward, metrics, receiver)
     log.info("%s engine: %d prompts per engine call, weights loaded between calls", s.engine, s.prompts_per_call)
     return replica, ChunkedLoop(replica, chunked)
 
 
+def reward_client(s: RolloutSettings) -> RewardClient:
+    token = s.reward_token.get_secret_value() if s.reward_token else None
+    return RewardClient(s.reward_url, token=token, timeout_s=s.reward_timeout_s, retries=s.reward_retries)
+
+
 def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
     s = settings
-    reward = RewardClient(
-        s.reward_url,
-        token=s.reward_token.get_secret_value() if s.reward_token else None,
-        timeout_s=s.reward_timeout_s,
-        retries=s.reward_retries,
-    )
+    reward = reward_client(s)
+    servers: list[Any] = []  # the gateway's
     beat_stop = threading.Event()
     heartbeat: threading.Thread | None = None
     with ServiceProcess("rollout", s, loading="loading the engine") as proc:
@@ -111,12 +118,19 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
             threading.Thread(target=member.leave_when, args=(stop, beat_stop), name="leave", daemon=True).start()
             if receiver is not None:
                 threading.Thread(target=receiver.run, args=(beat_stop,), name="weight-sync", daemon=True).start()
+            gateway = getattr(loop, "gateway", None)
+            if gateway is not None:
+                assert s.gateway_port is not None
+                app = create_gateway_app(gateway, reward_client(s))
+                servers.append(serve_gateway(app, s.host, s.gateway_port))
             log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, member.engine.version)
             while not stop.is_set() and (s.max_prompts is None or replica.publisher.done < s.max_prompts):
                 loop.step()
             loop.close()
             return replica
         finally:
+            for server in servers:
+                server.should_exit = True
             beat_stop.set()
             if heartbeat is not None:  # it deletes its key on the way out: before the client closes
                 heartbeat.join(10)

@@ -122,4 +122,30 @@ class RolloutSettings(ServiceSettings, RedisSettings):
         "replica's copy of the base and loaded like full weights: base speed; measured 2.6-3.3x vLLM's LoRA on CPU "
         "kernels), auto (vllm on GPUs, merge on CPUs).",
     )
+    gateway_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="vLLM, continuous batching: serve the OpenAI-compatible gateway on this port (rollout/gateway/): "
+        "agents roll out through sessions, captured token by token for training; unset: off.",
+    )
+    gateway_only: bool = Field(
+        False, description="With the gateway: the prompts go to gateway sessions only (the replica rolls none out)."
+    )
+    gateway_model: str = Field("policy", description="The model name the gateway serves (/v1/models).")
+    gateway_max_sessions: int = Field(256, ge=1, description="Gateway sessions open at once at most (then 429).")
+    gateway_open_wait_s: float = Field(
+        2.0, gt=0, le=60, description="How long opening a session waits for a task before answering 429."
+    )
+    gateway_idle_s: float = Field(
+        300.0, gt=0, description="A session idle this long (no call, not ended) expires, counted as abandoned."
+    )
+    gateway_max_calls: int = Field(64, ge=1, description="Model calls per session at most.")
+    gateway_max_tokens: int = Field(
+        1024, ge=1, description="Tokens one gateway call may generate at most (max_tokens beyond it: 400)."
+    )
+    gateway_max_n: int = Field(8, ge=1, le=64, description="Choices per gateway call at most (n beyond it: 400).")
+    gateway_max_context: int = Field(
+        4096, ge=1, description="Tokens of a session's sequence (prompt and completions) at most, per segment."
+    )
     vllm_eager: bool = Field(True, description="vLLM: no graph compilation (start in ~16 s instead of ~80 s).")

@@ -42,6 +42,7 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None
     ignore_eos: bool = False  # generate max_tokens whatever is sampled (benchmarks: lengths as drawn)
+    stop: tuple[str, ...] = ()  # stop strings (the gateway's callers; continuous batching only)
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,19 @@ class ContinuousBatching(Engine, Protocol):
         """Sequences submitted and not finished (of one priority, if given)."""
         ...
 
-    def submit(self, key: str, prompt: list[int], n: int, params: SamplingParams, *, priority: int = 0) -> None:
+    def submit(
+        self, key: str, prompt: list[int], n: int, params: SamplingParams, *, priority: int = 0, stream: bool = False
+    ) -> None:
         """`n` samples of `prompt` join the running batch at the next step; RequestRefused if the engine refuses
-        the prompt itself."""
+        the prompt itself. `stream`: their new tokens come out at every step too (take_deltas)."""
+        ...
+
+    def cancel(self, key: str) -> bool:
+        """Drop one group in flight; True if it was."""
+        ...
+
+    def take_deltas(self) -> list[Any]:
+        """Streamed sequences' new tokens since the last call (rollout/engines/continuous.py's Delta)."""
         ...
 
     def step(self) -> list[tuple[str, list[Completion]]]:

@@ -74,6 +74,18 @@ class _Group:
     n: int
     priority: int
     done: dict[int, Completion] = field(default_factory=dict)
+    stream: bool = False  # its requests return their new tokens at every step (DELTA), gathered here
+    parts: dict[int, tuple[list[int], list[float], list[str]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New tokens of a streamed sequence in flight (`submit(..., stream=True)`): one engine step's."""
+
+    key: str
+    index: int
+    token_ids: list[int]
+    text: str
 
 
 class ContinuousEngine:
@@ -95,6 +107,7 @@ class ContinuousEngine:
         self.seqs: dict[str, _Sequence] = {}  # request id -> sequence in flight
         self.groups: dict[str, _Group] = {}  # key -> its G samples
         self.loads = 0
+        self.deltas: list[Delta] = []  # streamed sequences' new tokens since the last take_deltas()
         if seed is not None:
             import torch
 
@@ -114,7 +127,10 @@ class ContinuousEngine:
             return len(self.seqs)
         return sum(1 for s in self.seqs.values() if self.groups[s.group].priority == priority)
 
-    def submit(self, key: str, prompt: list[int], n: int, params: SamplingParams, *, priority: int = 0) -> None:
+    def submit(
+        self, key: str, prompt: list[int], n: int, params: SamplingParams, *, priority: int = 0, stream: bool = False
+    ) -> None:
+        """`stream`: its new tokens are returned at every step (take_deltas), not only once finished."""
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -127,8 +143,9 @@ class ContinuousEngine:
             top_p=params.top_p,
             max_tokens=params.max_tokens,
             logprobs=0,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             ignore_eos=params.ignore_eos,
+            stop=list(params.stop) or None,
         )
         from vllm.exceptions import VLLMClientError
 
@@ -142,7 +159,7 @@ class ContinuousEngine:
             if added:
                 self.core.abort_request(added)
             raise RequestRefused(str(e)) from e
-        self.groups[key] = _Group(n, priority)
+        self.groups[key] = _Group(n, priority, stream=stream)
         self.seqs.update((rid, _Sequence(key, j, self.version)) for j, rid in enumerate(added))
 
     def step(self) -> list[tuple[str, list[Completion]]]:
@@ -150,15 +167,25 @@ class ContinuousEngine:
         if not self.seqs:
             return []
         finished: list[tuple[str, list[Completion]]] = []
-        for out in self.core.step():  # FINAL_ONLY: the sequences that finished in this step
-            seq = self.seqs.pop(out.request_id, None)
-            if seq is None or not out.finished:
+        for out in self.core.step():  # FINAL_ONLY: the sequences that finished in this step; DELTA: any new tokens
+            seq = self.seqs.get(out.request_id)
+            if seq is None:
                 continue
-            c = out.outputs[0]
-            tokens = list(c.token_ids)
+            group, c = self.groups[seq.group], out.outputs[0]
+            tokens, text, logprobs = list(c.token_ids), c.text, sampled_logprobs(c)
+            if group.stream:
+                if tokens or text:
+                    self.deltas.append(Delta(seq.group, seq.index, tokens, text))
+                ids, lps, texts = group.parts.setdefault(seq.index, ([], [], []))
+                ids += tokens
+                lps += logprobs
+                texts.append(text)
+                tokens, logprobs, text = ids, lps, "".join(texts)
+            if not out.finished:
+                continue
+            del self.seqs[out.request_id]
             runs = seq.runs(len(tokens), self.version)
-            group = self.groups[seq.group]
-            group.done[seq.index] = Completion(tokens, c.text, sampled_logprobs(c), finish_reason(c), runs)
+            group.done[seq.index] = Completion(tokens, text, logprobs, finish_reason(c), runs)
             if len(group.done) == group.n:
                 del self.groups[seq.group]
                 finished.append((seq.group, [group.done[j] for j in range(group.n)]))
@@ -170,6 +197,22 @@ class ContinuousEngine:
             self.core.abort_request(list(self.seqs))
         self.seqs.clear()
         self.groups.clear()
+        self.deltas.clear()
+
+    def cancel(self, key: str) -> bool:
+        """Drop one group in flight (a gateway client gone); True if it was."""
+        rids = [rid for rid, s in self.seqs.items() if s.group == key]
+        if rids:
+            self.core.abort_request(rids)
+        for rid in rids:
+            del self.seqs[rid]
+        self.deltas = [d for d in self.deltas if d.key != key]
+        return self.groups.pop(key, None) is not None
+
+    def take_deltas(self) -> list[Delta]:
+        """The streamed sequences' new tokens since the last call, in step order."""
+        out, self.deltas = self.deltas, []
+        return out
 
     # ------------------------------------------------------------------ weights, between two steps
 

@@ -1,0 +1,263 @@
+"""The OpenAI-compatible gateway, driven by the official `openai` client against a real replica (vLLM's continuous
+batching on the tiny model), real Redis and a real reward server: sessions for the tasks the mesh hands out,
+multi-turn (streamed and not), captured token-exactly, published as one group whose samples the learner masks
+right; a rewritten history starts a new segment; bad input gets OpenAI-shaped 4xx; a client gone mid-stream
+leaves nothing in the engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from learner.batching import to_tensors
+from learner.tiny import tiny_tokenizer
+from rollout.episodes import Renderer
+from services.child_process import ROOT, child_env, wait_ready
+from services.episodes import ChatMessage
+from services.redis_server import EmbeddedRedis, free_port
+from services.schemas import PromptTask, ScoredGroup, TrainBatch
+from services.streams import DEAD_LETTER_STREAM, STREAM_PROMPTS, STREAM_ROLLOUTS, StreamProducer, connect, decode
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+TOKEN = "mesh-token-for-tests"
+MESH = {"Authorization": f"Bearer {TOKEN}"}
+IDLE_S = 6
+
+
+@dataclass
+class Mesh:
+    base: str  # the gateway's
+    ops: str  # the replica's health and metrics
+    client: redis.Redis
+    proc: subprocess.Popen[bytes]
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir: Path, reward_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("gw-redis")) as server:
+        port, gport = free_port(), free_port()
+        args = ["--engine", "vllm", "--model-dir", str(model_dir), "--redis-url", server.url, "--reward-url",
+                reward_url, "--port", str(port), "--replica-id", "gw", "--gateway-port", str(gport),
+                "--gateway-only", "--gateway-idle-s", str(IDLE_S), "--gateway-max-n", "4",
+                "--gateway-max-tokens", "1024", "--max-response-tokens", "24", "--auth-token", TOKEN]  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT)
+        try:
+            wait_ready(proc, f"http://127.0.0.1:{port}/readyz", name="rollout", headers=MESH, timeout_s=300)
+            yield Mesh(f"http://127.0.0.1:{gport}", f"http://127.0.0.1:{port}", connect(server.url), proc)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
+def task(i: int, g: int = 2, prompt: str = "Add 2 and 3.") -> PromptTask:
+    return PromptTask(task_id=f"gw{i}", prompt_id=f"p{i}", prompt=prompt, ground_truth="5", verifier="dapo_math",
+                      data_source="test", n_samples=g)  # fmt: skip
+
+
+def open_session(m: Mesh) -> dict:
+    r = httpx.post(f"{m.base}/v1/sessions", headers=MESH, timeout=30)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def wait_group(m: Mesh, task_id: str, timeout_s: float = 60) -> ScoredGroup:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for _, f in m.client.xrange(STREAM_ROLLOUTS):
+            g = decode(f, ScoredGroup)
+            if g.task.task_id == task_id:
+                return g
+        time.sleep(0.2)
+    raise AssertionError(f"no group for {task_id} after {timeout_s} s")
+
+
+def render_ids(messages: list[dict]) -> list[int]:
+    tok = tiny_tokenizer()
+    return list(tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                    add_special_tokens=False).input_ids)  # fmt: skip
+
+
+def metric(m: Mesh, name: str) -> float:
+    text = httpx.get(f"{m.ops}/metrics", headers=MESH, timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or
+               line.startswith(name + "{"))  # fmt: skip
+
+
+def test_multi_turn_sessions_become_one_token_exact_group(mesh: Mesh) -> None:
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(1))
+    tok, render = tiny_tokenizer(), Renderer(tiny_tokenizer())
+    seen: list[list[tuple[list[int], list[int], list[float], str]]] = []  # per session: (prompt, ids, logprobs, finish)
+    for reward in (1.0, 0.0):
+        s = open_session(mesh)
+        assert s["task"]["task_id"] == "gw1" and s["task"]["group_size"] == 2
+        client = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
+        messages = [{"role": "system", "content": "Be brief."}, *s["task"]["messages"]]
+        calls = []
+        for turn in range(3):
+            extra = {"return_token_ids": True}
+            if turn == 1:  # streamed
+                stream = client.chat.completions.create(model="policy", messages=messages, max_tokens=12,
+                                                        logprobs=True, stream=True, extra_body=extra)  # fmt: skip
+                text, lps, ids, prompt, finish = "", [], [], [], ""
+                for chunk in stream:
+                    for ch in chunk.choices:
+                        text += ch.delta.content or ""
+                        if ch.finish_reason:
+                            finish = ch.finish_reason
+                            lps = [t.logprob for t in ch.logprobs.content]
+                            ids, prompt = ch.model_extra["token_ids"], ch.model_extra["prompt_token_ids"]
+            else:
+                r = client.chat.completions.create(model="policy", messages=messages, max_tokens=12, logprobs=True,
+                                                   extra_body=extra)  # fmt: skip
+                ch = r.choices[0]
+                text, finish, lps = ch.message.content, ch.finish_reason, [t.logprob for t in ch.logprobs.content]
+                ids, prompt = ch.model_extra["token_ids"], r.model_extra["prompt_token_ids"]
+                assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(ids)
+            assert len(lps) == len(ids) > 0 and all(lp <= 0 for lp in lps)
+            if calls:  # the previous prompt and answer, as sampled, then the new messages rendered after them
+                before, last_ids, _, last_finish = calls[-1]
+                assert prompt[: len(before) + len(last_ids)] == before + last_ids
+                new = [ChatMessage(role="user", content=messages[-1]["content"])]
+                assert prompt == before + last_ids + render.continuation(last_ids, last_finish, new)
+                # and as text, the conversation in the chat template (the answers as the model wrote them)
+                as_written = [*messages[:-2], {"role": "assistant", "content": tok.decode(last_ids)}, messages[-1]]
+                assert tok.decode(prompt) == tok.decode(render_ids(as_written)) or turn == 2
+            else:
+                assert prompt == render_ids(messages)
+            calls.append((prompt, ids, lps, "length" if finish == "length" else "stop"))
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And {turn}?"}]
+        seen.append(calls)
+        r = httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"reward": reward},
+                       headers={"Authorization": f"Bearer {s['api_key']}"}, timeout=10)  # fmt: skip
+        assert r.status_code == 200, r.text
+        # the key is over with its session
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+
+    g = wait_group(mesh, "gw1")
+    assert [sc.reward for sc in g.scores] == [1.0, 0.0]
+    opening = g.task.prompt_token_ids.tolist()
+    for sample, calls in zip(g.samples, seen, strict=True):
+        assert opening == calls[0][0]
+        last_prompt, last_ids = calls[-1][0], calls[-1][1]
+        assert sample.response_token_ids.tolist() == last_prompt[len(opening) :] + last_ids
+        mask, lps = sample.loss_mask(), sample.logprobs.tolist()
+        want_mask = [0] * len(sample.response_token_ids)
+        for prompt, ids, call_lps, _ in calls:  # each answer in the loss, with the log-probs the client was given
+            at = len(prompt) - len(opening)
+            want_mask[at : at + len(ids)] = [1] * len(ids)
+            assert lps[at : at + len(ids)] == pytest.approx(call_lps, abs=1e-6)
+        assert mask == want_mask
+        assert sample.episode is not None and sample.episode.env == "gateway" and sample.episode.model_turns == 3
+        assert [list(r) for r in sample.version_runs or []] == [[0, len(sample.response_token_ids)]]
+    t = to_tensors(TrainBatch.assemble(0, [g]), pad_id=0)
+    for i, sample in enumerate(g.samples):
+        n = len(sample.response_token_ids)
+        assert t.response_mask[i, len(opening) : len(opening) + n].tolist() == sample.loss_mask()
+        assert t.input_ids[i, : len(opening) + n].tolist() == opening + sample.response_token_ids.tolist()
+
+
+def test_a_rewritten_history_is_a_new_segment_and_tools_are_taught(mesh: Mesh) -> None:
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(2, g=1))
+    s = open_session(mesh)
+    client = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "add", "description": "Adds.", "parameters": params}}]
+    messages = [*s["task"]["messages"]]
+    r = client.chat.completions.create(model="policy", messages=messages, max_tokens=8, tools=tools,
+                                       extra_body={"return_token_ids": True})  # fmt: skip
+    prompt = r.model_extra["prompt_token_ids"]
+    assert "You can call tools" in tiny_tokenizer().decode(prompt) and "- add(a: integer): Adds." in \
+        tiny_tokenizer().decode(prompt)  # fmt: skip
+    # the client summarises: not the answer it was given -> a new segment, rendered in full, and said so
+    summary = [{"role": "user", "content": "Summary: adding."},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "add", "arguments": "{\"a\": 2}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "5"}]  # fmt: skip
+    r2 = client.chat.completions.create(model="policy", messages=summary, max_tokens=8,
+                                        extra_body={"return_token_ids": True})  # fmt: skip
+    text = tiny_tokenizer().decode(r2.model_extra["prompt_token_ids"])
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>' in text  # as the model writes calls
+    state = httpx.get(f"{mesh.base}/v1/sessions/{s['session_id']}", headers=MESH, timeout=10).json()
+    assert [seg["reason"].split(":")[0] for seg in state["segments"]] == ["start", "history rewritten"]
+    assert state["calls"] == 2
+    httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"score": True}, headers=MESH, timeout=30)
+    g = wait_group(mesh, "gw2")  # the last segment is what is trained on, scored by the reward server
+    assert g.task.prompt_token_ids.tolist() == r2.model_extra["prompt_token_ids"]
+    assert g.samples[0].response_token_ids.tolist() == r2.choices[0].model_extra["token_ids"]
+    assert g.scores[0].reward in (-1.0, 1.0)
+
+
+def test_bad_input_gets_openai_shaped_4xx(mesh: Mesh) -> None:
+    bad = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key="dms_nosuch_session", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{mesh.base}/v1", api_key="wrong", max_retries=0).models.list()
+    ok = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=TOKEN, max_retries=0)  # the mesh token: not captured
+    assert [m.id for m in ok.models.list()] == ["policy"]
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        ok.chat.completions.create(model="gpt-4", messages=msgs)
+    with pytest.raises(openai.BadRequestError, match="n: at most 4"):
+        ok.chat.completions.create(model="policy", messages=msgs, n=5)
+    with pytest.raises(openai.BadRequestError, match="max_tokens: at most 1024"):
+        ok.chat.completions.create(model="policy", messages=msgs, max_tokens=5000)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        ok.chat.completions.create(model="policy", messages=msgs, presence_penalty=0.5)
+    r = httpx.post(f"{mesh.base}/v1/chat/completions", headers=MESH, json={"model": "policy"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = httpx.post(f"{mesh.base}/v1/chat/completions", headers=MESH, content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "error" in r.json()
+    # n choices, uncaptured, work with the mesh token
+    out = ok.chat.completions.create(model="policy", messages=msgs, n=3, max_tokens=4)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    # no task handed out: 429 with Retry-After (the SDK would retry it)
+    r = httpx.post(f"{mesh.base}/v1/sessions", headers=MESH, timeout=30)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+    # a session key cannot open sessions; an idle session expires and its key with it
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(3, g=2))
+    s1, s2 = open_session(mesh), open_session(mesh)
+    r = httpx.post(f"{mesh.base}/v1/sessions", headers={"Authorization": f"Bearer {s1['api_key']}"}, timeout=10)
+    assert r.status_code == 401
+    c1 = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s1["api_key"], max_retries=0)
+    c1.chat.completions.create(model="policy", messages=s1["task"]["messages"], max_tokens=4)
+    httpx.post(f"{mesh.base}/v1/sessions/{s1['session_id']}/end", json={"reward": 1}, headers=MESH, timeout=10)
+    time.sleep(IDLE_S + 2.5)  # s2 never called: abandoned; one ended is too few to train on -> dead-lettered
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s2["api_key"], max_retries=0).models.list()
+    deadline = time.monotonic() + 20
+    while not (dead := [f for _, f in mesh.client.xrange(DEAD_LETTER_STREAM) if f[b"kind"] == b"sessions_abandoned"]):
+        assert time.monotonic() < deadline, "the abandoned group was not dead-lettered"
+        time.sleep(0.2)
+    task3 = decode({k[5:]: v for k, v in dead[0].items() if k.startswith(b"orig:")}, PromptTask)
+    assert task3.task_id == "gw3"
+
+
+def test_client_gone_mid_stream_leaves_nothing_in_the_engine(mesh: Mesh) -> None:
+    cancelled = metric(mesh, "dapo_gateway_cancelled_total")
+    body = {"model": "policy", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 1000,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.Client(timeout=30) as http, http.stream("POST", f"{mesh.base}/v1/chat/completions", json=body,
+                                                       headers=MESH) as r:  # fmt: skip
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few tokens in, then gone
+        assert any('"content"' in line for line in got)
+    deadline = time.monotonic() + 20
+    while metric(mesh, "dapo_gateway_cancelled_total") < cancelled + 1 or metric(
+        mesh, "dapo_rollout_sequences_in_flight"
+    ):
+        assert time.monotonic() < deadline, "the stream's sequence is still in the engine"
+        time.sleep(0.2)
+    assert json.loads(got[0].removeprefix("data: "))["object"] == "chat.completion.chunk"
