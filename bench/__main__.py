@@ -1,6 +1,19 @@
 """`make bench`: run every benchmark and print one table (and its JSON)."""
 
-from bench import curriculum, episodes, learner, lora, mesh, placement, queue, ranks, reward, rollout, weight_sync
+from bench import (
+    curriculum,
+    episodes,
+    gateway,
+    learner,
+    lora,
+    mesh,
+    placement,
+    queue,
+    ranks,
+    reward,
+    rollout,
+    weight_sync,
+)
 from bench.common import print_table
 
 if __name__ == "__main__":
@@ -15,6 +28,7 @@ if __name__ == "__main__":
         + rollout.dtype_rows()
         + rollout.inflight_rows()
         + episodes.run()
+        + gateway.run()
         + weight_sync.run()
         + lora.run()
         + mesh.run()

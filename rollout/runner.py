@@ -19,6 +19,7 @@ import redis
 from rollout.chunked_loop import ChunkedLoop
 from rollout.continuous_loop import ContinuousLoop
 from rollout.engines import load_engine
+from rollout.env_client import EnvClient
 from rollout.gateway.app import create_gateway_app, serve_gateway
 from rollout.gateway.core import Gateway
 from rollout.gateway.metrics import GatewayMetrics
@@ -78,7 +79,11 @@ def build(
         log.info(
             "continuous batching: up to %d sequences in flight, weight updates: %s", s.max_in_flight, s.weight_update
         )
-        gateway = Gateway(s, engine.tokenizer, GatewayMetrics(metrics.registry)) if s.gateway_port is not None else None
+        gateway = None
+        if s.gateway_port is not None:
+            token = s.env_token.get_secret_value() if s.env_token else None
+            envs = EnvClient(s.env_url, token=token, timeout_s=s.env_timeout_s, retries=s.env_retries)
+            gateway = Gateway(s, engine.tokenizer, GatewayMetrics(metrics.registry), envs)
         return replica, ContinuousLoop(replica, engine, gateway)
     if s.gateway_port is not None:
         raise ValueError("--gateway-port: the gateway is served by the vllm engine's continuous batching")

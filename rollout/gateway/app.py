@@ -25,6 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollout.engines.base import Completion
+from rollout.env_client import EnvRejected, EnvUnavailable
 from rollout.gateway import calls
 from rollout.gateway.auth import ApiError, Auth, Caller, mesh
 from rollout.gateway.core import Busy, Gateway, Seat, Waiter
@@ -32,7 +34,7 @@ from rollout.gateway.schemas import EndSession, OpenSession
 from rollout.gateway.sessions import CallRefused, Session
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable, score_items
 from rollout.settings import RolloutSettings
-from services.schemas import Score
+from services.schemas import PromptTask, Score
 from services.web import BodySizeLimit
 
 log = logging.getLogger(__name__)
@@ -51,18 +53,29 @@ def create_gateway_app(gw: Gateway, reward: RewardClient) -> FastAPI:
     return app
 
 
-async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+    _count(request, e.status)
     return e.response()
 
 
-async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
     first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
     where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+    _count(request, 400)
     return ApiError(400, f"{where or 'body'}: {first.get('msg')}", param=where).response()
 
 
-async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    _count(request, e.status_code)
     return ApiError(e.status_code, str(e.detail)).response()
+
+
+def _count(request: Request, status: int) -> None:
+    path = request.url.path
+    route = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(
+        path, "sessions" if path.startswith("/v1/sessions") else "other"
+    )
+    request.app.state.gw.m.calls.labels(route, str(status)).inc()
 
 
 @router.get("/healthz", include_in_schema=False)
@@ -97,9 +110,9 @@ def model(request: Request, model: str, _: Auth) -> dict[str, Any]:
 
 @router.post("/v1/sessions", status_code=201, dependencies=[Depends(mesh)])
 async def open_session(request: Request, body: OpenSession | None = None) -> dict[str, Any]:
-    """A session for the next task the mesh hands out (or the client's own): its key and its task."""
+    """A session for the next task the mesh hands out (or the client's own): its key and its task (an
+    environment's task: as its environment opens it, with its tools)."""
     gw: Gateway = request.app.state.gw
-    s = gw.s
     waiter = Waiter()
     try:
         with gw.lock:
@@ -110,7 +123,7 @@ async def open_session(request: Request, body: OpenSession | None = None) -> dic
         raise ApiError(409, str(e)) from e
     if seat is None:
         try:
-            seat = await asyncio.wait_for(asyncio.shield(waiter.future), s.gateway_open_wait_s)
+            seat = await asyncio.wait_for(asyncio.shield(waiter.future), gw.s.gateway_open_wait_s)
         except TimeoutError:
             with gw.lock:
                 seat = gw.withdraw(waiter)
@@ -123,7 +136,31 @@ async def open_session(request: Request, body: OpenSession | None = None) -> dic
                     retry_after=1,
                 ) from None
     assert seat is not None
-    return session_info(s, seat)
+    if seat.env is not None:
+        await open_env(gw, seat)
+    return session_info(gw.s, seat)
+
+
+async def open_env(gw: Gateway, seat: Seat) -> None:
+    """An environment's task: the session's own episode, reset from the task's seed; its opening and tools."""
+    assert seat.env is not None
+    name, body = seat.env
+    episode = f"gw-{seat.session.sid}"
+    try:
+        if gw.envs is None:
+            raise EnvRejected(400, "this replica has no environment service (--env-url)")
+        opening = await run_in_threadpool(gw.envs.reset, name, body, episode)
+    except EnvUnavailable as e:
+        with gw.lock:
+            gw.unseat(seat.session)
+        raise ApiError(503, f"{e}; retry", "server_error", retry_after=2) from e
+    except EnvRejected as e:
+        with gw.lock:
+            gw.refuse_task(seat.task.task_id, "env_rejected", str(e)[:500])
+        raise ApiError(503, f"{e}; the task is dead-lettered, retry for another", "server_error", retry_after=1) from e
+    seat.session.env = (opening.base, episode)
+    seat.messages = [m.model_dump(exclude_none=True) for m in opening.response.messages]
+    seat.tools = [t.model_dump() for t in opening.response.tools]
 
 
 def session_info(s: RolloutSettings, seat: Seat) -> dict[str, Any]:
@@ -174,7 +211,8 @@ def session_state(request: Request, sid: str, caller: Auth) -> dict[str, Any]:
 
 @router.post("/v1/sessions/{sid}/end")
 async def end_session(request: Request, sid: str, body: EndSession, caller: Auth) -> dict[str, Any]:
-    """Ended with the client's reward, or scored by the reward server against the task's ground truth."""
+    """Ended with the client's reward, or scored: by the environment for an environment's task, by the reward
+    server against the task's ground truth for the others."""
     gw: Gateway = request.app.state.gw
     sess = owned(gw, sid, caller)
     if body.score:
@@ -184,14 +222,7 @@ async def end_session(request: Request, sid: str, body: EndSession, caller: Auth
             except CallRefused as e:
                 raise ApiError(400, str(e)) from e
             task = gw.group_task(sess)
-        try:
-            items = score_items([task], [[answer]], gw.s.max_response_tokens)
-            r = (await run_in_threadpool(request.app.state.reward.score, items))[0]
-        except RewardUnavailable as e:
-            raise ApiError(503, f"{e}; end the session again", "server_error", retry_after=5) from e
-        except RewardRejected as e:
-            raise ApiError(400, str(e)) from e
-        score = Score(reward=r.score, acc=r.acc, overlong_penalty=r.overlong_penalty, pred=r.pred)
+        score = await (env_score(gw, sess, answer) if sess.env else reward_score(request, task, answer))
     else:
         assert body.reward is not None
         score = Score(reward=body.reward, acc=body.reward > 0)
@@ -202,6 +233,33 @@ async def end_session(request: Request, sid: str, body: EndSession, caller: Auth
             raise ApiError(409 if e.conflict else 400, str(e)) from e
     gw.wake.set()
     return {"session_id": sid, "state": "ended", "reward": score.reward, "acc": score.acc}
+
+
+async def reward_score(request: Request, task: PromptTask, answer: Completion) -> Score:
+    gw: Gateway = request.app.state.gw
+    try:
+        items = score_items([task], [[answer]], gw.s.max_response_tokens)
+        r = (await run_in_threadpool(request.app.state.reward.score, items))[0]
+    except RewardUnavailable as e:
+        raise ApiError(503, f"{e}; end the session again", "server_error", retry_after=5) from e
+    except RewardRejected as e:
+        raise ApiError(400, str(e)) from e
+    return Score(reward=r.score, acc=r.acc, overlong_penalty=r.overlong_penalty, pred=r.pred)
+
+
+async def env_score(gw: Gateway, sess: Session, answer: Completion) -> Score:
+    """The environment's reward for the last answer, as its final turn (-1 if it does not end the episode)."""
+    assert sess.env is not None and gw.envs is not None
+    base, episode = sess.env
+    try:
+        out = await run_in_threadpool(gw.envs.step, base, episode, 1, answer.text)
+    except EnvUnavailable as e:
+        raise ApiError(503, f"{e}; end the session again", "server_error", retry_after=5) from e
+    except EnvRejected as e:
+        raise ApiError(400, f"the environment refused the answer: {e}") from e
+    await run_in_threadpool(gw.envs.close, base, episode)
+    reward = float(out.reward) if out.done and out.reward is not None else -1.0
+    return Score(reward=reward, acc=reward > 0)
 
 
 def serve_gateway(app: FastAPI, host: str, port: int) -> Any:

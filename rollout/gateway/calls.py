@@ -47,7 +47,7 @@ def check(gw: Gateway, req: ChatRequest | CompletionRequest) -> int:
         req.stops()
     except ValueError as e:
         raise ApiError(400, str(e), param="stop") from e
-    return limit or gw.s.max_response_tokens
+    return limit or min(gw.s.max_response_tokens, gw.s.gateway_max_tokens)
 
 
 def enter(gw: Gateway, caller: Caller, req: ChatRequest | CompletionRequest, max_tokens: int, stream: bool) -> Pending:
@@ -121,6 +121,8 @@ def keep(
     with gw.lock:
         if p.session is not None and p.plan is not None:
             p.session.answered(p.plan, [c for c, _ in out], p.params.temperature, p.params.top_p, time.monotonic())
+            if p.plan.new and len(p.session.segments) > 1:
+                gw.m.segments.inc()
     gw.m.tokens.labels("prompt").inc(len(p.prompt))
     gw.m.tokens.labels("completion").inc(sum(len(c.token_ids) for c in outs))
     gw.m.added.observe(max(0.0, time.perf_counter() - t0 - p.engine_s))

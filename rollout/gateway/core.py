@@ -16,8 +16,12 @@ gives G sessions, one per seat; when no task arrives within --gateway-open-wait-
 holds back), which the OpenAI SDK and well-behaved clients retry. A client may bring its own task instead
 (`OwnTask`): sessions of one task_id fill its `group_size` seats. A group is published when every seat's session
 has ended or been abandoned (idle past --gateway-idle-s): with the ended ones (n_samples as many) when two or more
-ended, else dead-lettered (`sessions_abandoned`), so no task is lost silently. An environment task is
-dead-lettered (`gateway_env_task`): its tools run in the environment service, not in a client.
+ended, else dead-lettered (`sessions_abandoned`), so no task is lost silently.
+
+An environment's task (verifier `env:<name>`) is handed out as the environment opens it: each session resets its
+own episode (the same seed: the same task), the client gets its opening messages and tools, runs its own agent
+loop (its own tools), and at the end the environment scores its last answer (one step; an episode the environment
+does not end on that answer is a failure, -1).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.engines.base import Completion, ContinuousBatching, RequestRefused, SamplingParams
+from rollout.env_client import EnvClient
+from rollout.episode_runner import env_task
 from rollout.gateway.metrics import GatewayMetrics
 from rollout.gateway.schemas import OwnTask
 from rollout.gateway.sessions import ChatRenderer, Limits, Plan, Session, common_prefix, rebase
@@ -108,12 +114,15 @@ class Seat:
     session: Session
     key: str  # the session's API key (shown once)
     task: PromptTask
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+    env: tuple[str, dict[str, Any]] | None = None  # an environment's task: (environment, reset body)
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Gateway:
-    def __init__(self, s: RolloutSettings, tokenizer: Any, metrics: GatewayMetrics):
+    def __init__(self, s: RolloutSettings, tokenizer: Any, metrics: GatewayMetrics, envs: EnvClient | None = None):
         self.s, self.tok, self.m = s, tokenizer, metrics
+        self.envs = envs  # the environment service: environments' tasks open and score there
         self.render = ChatRenderer(tokenizer, s.chat_template)
         self.limits = Limits(s.gateway_max_calls, s.gateway_max_context)
         self.lock = threading.Lock()
@@ -183,7 +192,28 @@ class Gateway:
         self.sessions[sid] = session
         self.m.open.inc()
         self.m.sessions.labels("opened").inc()
-        return Seat(session, f"{KEY_PREFIX}_{sid}_{secret}", g.task, self.messages_of(g.task))
+        spec = env_task(g.task)
+        return Seat(session, f"{KEY_PREFIX}_{sid}_{secret}", g.task, self.messages_of(g.task), spec)
+
+    def unseat(self, session: Session) -> None:
+        """A session that could not begin (its environment did not open): its seat is free again."""
+        g = self.groups.get(session.task_id)
+        if g is not None and session in g.sessions:
+            g.sessions.remove(session)
+            g.seats += 1
+        if self.sessions.pop(session.sid, None) is not None:
+            self.m.open.dec()
+
+    def refuse_task(self, task_id: str, kind: str, why: str) -> None:
+        """A task that cannot be handed out (its environment refuses it): dead-lettered, its sessions over."""
+        g = self.groups.pop(task_id, None)
+        if g is None:
+            return
+        for sess in g.sessions:
+            if self.sessions.pop(sess.sid, None) is not None and sess.state == "open":
+                self.m.open.dec()
+            sess.state = "abandoned"
+        self.dead.append((g, kind, why))
 
     def messages_of(self, task: PromptTask) -> list[dict[str, str]]:
         text = task.prompt
@@ -247,14 +277,10 @@ class Gateway:
                 if not got:
                     return
                 d = got[0]
-                if d.message.verifier.startswith("env:"):
-                    self.dead.append(
-                        (
-                            TaskGroup(d.message, d, 0),
-                            "gateway_env_task",
-                            "an environment task: its tools run in the environment service, not a gateway client",
-                        )
-                    )
+                try:
+                    env_task(d.message)
+                except ValueError as e:
+                    self.dead.append((TaskGroup(d.message, d, 0), "env_task_invalid", str(e)[:500]))
                     continue
                 free = self.groups[d.message.task_id] = TaskGroup(d.message, d, d.message.n_samples)
             waiter = self.seat_waiters.popleft()

@@ -194,6 +194,7 @@ class Session:
         self.reward: float | None = None
         self.episode: Episode | None = None  # once ended: what the learner trains on
         self.tool_calls = 0
+        self.env: tuple[str, str] | None = None  # an environment's task: (its instance, the episode id)
 
     # ------------------------------------------------------------------ a call
 

@@ -10,8 +10,9 @@ import json
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -33,9 +34,14 @@ HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 MODES = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
 
 
-def fuzz(base: str, budget: dict[tuple[str, str], int], modes: tuple[GenerationMode, ...] = MODES) -> Counter[str]:
+def fuzz(
+    base: str,
+    budget: dict[tuple[str, str], int],
+    modes: tuple[GenerationMode, ...] = MODES,
+    prepare: Callable[[Any], None] | None = None,
+) -> Counter[str]:
     """Run `budget[(method, path)]` generated cases per operation (half valid, half invalid; `modes` says which
-    halves this call runs)."""
+    halves this call runs); `prepare` may change a case before it is sent."""
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=HEADERS)  # served with --api-docs
     stats: Counter[str] = Counter()
     for result in schema.get_all_operations():
@@ -47,6 +53,8 @@ def fuzz(base: str, budget: dict[tuple[str, str], int], modes: tuple[GenerationM
                       phases=[Phase.generate], derandomize=True, database=None)  # fmt: skip
             @given(case=op.as_strategy(generation_mode=mode))
             def call(case) -> None:  # type: ignore[no-untyped-def]
+                if prepare is not None:
+                    prepare(case)
                 r = case.call(base_url=base, headers=HEADERS, timeout=15)  # a hang fails the test
                 stats["cases"] += 1
                 stats[f"{r.status_code // 100}xx"] += 1
@@ -119,6 +127,54 @@ def test_env_server_survives_1000_generated_requests(tmp_path: Path) -> None:
     print(f"environment service fuzz: {dict(stats)}")
     assert stats["cases"] >= 1_000 and stats["5xx"] == 0
     assert stats["2xx"] > 200 and stats["4xx"] > 200
+
+
+GATEWAY_BUDGET = {("POST", "/v1/chat/completions"): 1000, ("POST", "/v1/completions"): 600,
+                  ("POST", "/v1/sessions"): 200, ("POST", "/v1/sessions/{sid}/end"): 200,
+                  ("GET", "/v1/sessions/{sid}"): 100, ("GET", "/v1/models"): 100,
+                  ("GET", "/v1/models/{model}"): 100}  # fmt: skip
+
+
+def served_model(case: Any) -> None:
+    """Generated bodies name the model served (an unknown one is a 404 before anything else is looked at, and is
+    tested on its own): the rest of each case reaches the validation and the engine."""
+    if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
+        case.body["model"] = "policy"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_gateway_survives_2000_generated_requests(tmp_path: Path, model_dir: Path, reward_url: str) -> None:
+    """The OpenAI-compatible gateway on a vLLM replica (tiny model): generated chat completions, completions and
+    session calls, valid and not, sent with the mesh token (calls not captured) or without a task to hand out.
+    Whatever they send: no 5xx, the replica still serves after."""
+    from services.child_process import wait_ready
+    from services.redis_server import free_port
+
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        port, gport = free_port(), free_port()
+        args = ["--engine", "vllm", "--model-dir", str(model_dir), "--redis-url", server.url, "--reward-url",
+                reward_url, "--port", str(port), "--gateway-port", str(gport), "--gateway-only", "--auth-token",
+                TOKEN, "--gateway-max-tokens", "4", "--gateway-max-n", "2", "--gateway-open-wait-s", "0.05",
+                "--gateway-max-context", "256"]  # fmt: skip
+        with (tmp_path / "rollout.log").open("wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(OMP_NUM_THREADS="1"),
+                                    cwd=ROOT, stderr=log)  # fmt: skip
+            try:
+                wait_ready(proc, f"http://127.0.0.1:{port}/readyz", name="rollout", headers=HEADERS, timeout_s=300)
+                base = f"http://127.0.0.1:{gport}"
+                stats = fuzz(base, GATEWAY_BUDGET, prepare=served_model)
+                assert proc.poll() is None
+                r = httpx.post(f"{base}/v1/chat/completions", headers=HEADERS, timeout=30,
+                               json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+                assert r.status_code == 200, r.text  # still generating
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    print(f"gateway fuzz: {dict(stats)}")
+    assert stats["cases"] >= 2_000 and stats["5xx"] == 0
+    assert stats["2xx"] > 200 and stats["4xx"] > 500
 
 
 if __name__ == "__main__":  # the reward server test's second process: the invalid half, stats as JSON
