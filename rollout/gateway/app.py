@@ -177,6 +177,7 @@ def session_info(s: RolloutSettings, seat: Seat) -> dict[str, Any]:
             "data_source": t.data_source,
             "group_size": t.n_samples,
             "messages": seat.messages,
+            "tools": seat.tools,
         },
     }
 

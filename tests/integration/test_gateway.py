@@ -22,7 +22,7 @@ import redis
 from learner.batching import to_tensors
 from learner.tiny import tiny_tokenizer
 from rollout.episodes import Renderer
-from services.child_process import ROOT, child_env, wait_ready
+from services.child_process import ROOT, child_env, running, wait_ready
 from services.episodes import ChatMessage
 from services.redis_server import EmbeddedRedis, free_port
 from services.schemas import PromptTask, ScoredGroup, TrainBatch
@@ -38,22 +38,30 @@ IDLE_S = 6
 class Mesh:
     base: str  # the gateway's
     ops: str  # the replica's health and metrics
+    env: str  # the environment service
     client: redis.Redis
     proc: subprocess.Popen[bytes]
 
 
 @pytest.fixture(scope="module")
 def mesh(model_dir: Path, reward_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("gw-redis")) as server:
+    with (
+        EmbeddedRedis(tmp_path_factory.mktemp("gw-redis")) as server,
+        running("env_server", ready_path="/readyz") as (
+            env_url,
+            _,
+        ),
+    ):
         port, gport = free_port(), free_port()
         args = ["--engine", "vllm", "--model-dir", str(model_dir), "--redis-url", server.url, "--reward-url",
                 reward_url, "--port", str(port), "--replica-id", "gw", "--gateway-port", str(gport),
                 "--gateway-only", "--gateway-idle-s", str(IDLE_S), "--gateway-max-n", "4",
-                "--gateway-max-tokens", "1024", "--max-response-tokens", "24", "--auth-token", TOKEN]  # fmt: skip
+                "--gateway-max-tokens", "1024", "--max-response-tokens", "24", "--auth-token", TOKEN,
+                "--env-url", env_url]  # fmt: skip
         proc = subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT)
         try:
             wait_ready(proc, f"http://127.0.0.1:{port}/readyz", name="rollout", headers=MESH, timeout_s=300)
-            yield Mesh(f"http://127.0.0.1:{gport}", f"http://127.0.0.1:{port}", connect(server.url), proc)
+            yield Mesh(f"http://127.0.0.1:{gport}", f"http://127.0.0.1:{port}", env_url, connect(server.url), proc)
         finally:
             proc.terminate()
             proc.wait(60)
@@ -196,6 +204,43 @@ def test_a_rewritten_history_is_a_new_segment_and_tools_are_taught(mesh: Mesh) -
     assert g.task.prompt_token_ids.tolist() == r2.model_extra["prompt_token_ids"]
     assert g.samples[0].response_token_ids.tolist() == r2.choices[0].model_extra["token_ids"]
     assert g.scores[0].reward in (-1.0, 1.0)
+
+
+def test_an_environments_task_opens_and_is_scored_by_its_environment(mesh: Mesh) -> None:
+    env_task = PromptTask(
+        task_id="gwe",
+        prompt_id="calc-3",
+        prompt="calculator seed 3",
+        n_samples=2,
+        ground_truth=json.dumps({"seed": 3}),
+        verifier="env:calculator",
+        data_source="env/calculator",
+    )
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(env_task)
+    opened = httpx.post(f"{mesh.base}/v1/sessions", headers=MESH, timeout=30).json()
+    opening = httpx.post(
+        f"{mesh.env}/v1/episodes", json={"env": "calculator", "seed": 3, "episode_id": "check"}, timeout=10
+    ).json()  # the same seed: the same task, as the environment opens it
+    assert opened["task"]["messages"] == [{k: v for k, v in m.items() if v is not None} for m in opening["messages"]]
+    assert [t["function"]["name"] for t in opened["task"]["tools"]] == ["calculator"]
+    for k, s in enumerate((opened, open_session(mesh))):
+        client = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
+        r = client.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=8)
+        end = httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"score": True}, headers=MESH,
+                         timeout=30)  # fmt: skip
+        assert end.status_code == 200, end.text
+        # the environment's own verdict on the same answer, in a fresh episode of the same task
+        httpx.post(f"{mesh.env}/v1/episodes", json={"env": "calculator", "seed": 3, "episode_id": f"v{k}"}, timeout=10)
+        step = {"turn": 1, "message": {"role": "assistant", "content": r.choices[0].message.content}}
+        verdict = httpx.post(f"{mesh.env}/v1/episodes/v{k}/step", json=step, timeout=10).json()
+        want = verdict["reward"] if verdict["done"] else -1.0
+        assert end.json()["reward"] == want
+        # the session's own episode was closed on the environment once scored
+        gone = httpx.post(f"{mesh.env}/v1/episodes/gw-{s['session_id']}/step", json=step, timeout=10)
+        assert gone.status_code == 404, gone.text
+    g = wait_group(mesh, "gwe")
+    assert g.task.prompt_token_ids.tolist() == render_ids(opened["task"]["messages"])
+    assert len(g.samples) == 2 and all(x.episode is not None and x.episode.env == "gateway" for x in g.samples)
 
 
 def test_bad_input_gets_openai_shaped_4xx(mesh: Mesh) -> None:
