@@ -53,6 +53,10 @@ def check(gw: Gateway, req: ChatRequest | CompletionRequest) -> int:
 def enter(gw: Gateway, caller: Caller, req: ChatRequest | CompletionRequest, max_tokens: int, stream: bool) -> Pending:
     params = SamplingParams(req.temperature, req.top_p, max_tokens, ignore_eos=req.ignore_eos, stop=req.stops())
     sess = caller.session
+    if isinstance(req, CompletionRequest) and isinstance(req.prompt, list):
+        vocab = len(gw.tok)
+        if not req.prompt or min(req.prompt) < 0 or max(req.prompt) >= vocab:
+            raise ApiError(400, f"prompt: token ids must be 0 to {vocab - 1}, at least one", param="prompt")
     with gw.lock:
         try:
             if isinstance(req, ChatRequest):
@@ -68,6 +72,8 @@ def enter(gw: Gateway, caller: Caller, req: ChatRequest | CompletionRequest, max
                 )
         except CallRefused as e:
             raise ApiError(409 if e.conflict else 400, str(e), code=e.code) from e
+        if not prompt:
+            raise ApiError(400, "prompt: empty once tokenised", param="prompt")
         if plan is None and len(prompt) + max_tokens > gw.s.gateway_max_context:
             raise ApiError(
                 400,

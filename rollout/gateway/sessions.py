@@ -109,7 +109,10 @@ class ChatRenderer:
                 dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{instructions(tools)}"}
             else:
                 dicts.insert(0, {"role": "system", "content": instructions(tools)})
-        text = self.tok.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False, **kw)
+        try:
+            text = self.tok.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False, **kw)
+        except Exception as e:  # a template that refuses a conversation (roles out of order, ...): the client's
+            raise CallRefused(f"the model's chat template refused these messages: {str(e)[:300]}") from e
         return list(self.tok(str(text), add_special_tokens=False).input_ids)
 
     def rest(self, model: Completion, messages: list[ChatIn]) -> list[int]:
@@ -225,19 +228,27 @@ class Session:
         seg = self.segments[-1] if self.segments else None
         last = seg.last if seg is not None else None
         plan: Plan | None = None
+        why = ""
         if seg is not None and last is not None and last.kind == "chat" and last.messages is not None:
             k = len(last.messages)
             if len(req.messages) > k + 1 and req.messages[:k] == last.messages:
                 for choice in last.choices:
                     if _same_answer(req.messages[k], choice.message):
-                        rest = self.render.rest(choice.c, req.messages[k + 1 :])
+                        try:
+                            rest = self.render.rest(choice.c, req.messages[k + 1 :])
+                        except Exception as e:  # a template that cannot be continued: this call starts anew
+                            why = f"the chat template cannot continue the sequence: {str(e)[:200]}"
+                            break
                         prompt = seg.episode.prompt_ids() + choice.c.token_ids + rest
                         call = Call("chat", prompt, messages=list(req.messages))
                         plan = Plan(call, seg, False, choice, rest)
                         break
         if plan is None:
             prompt = self.render.full(req.messages, req.tools if req.tool_choice != "none" else None)
-            why = "start" if seg is None else "history rewritten: the messages do not extend the last call's"
+            if seg is None:
+                why = "start"
+            elif not why:
+                why = "history rewritten: the messages do not extend the last call's"
             call = Call("chat", prompt, messages=list(req.messages))
             plan = Plan(call, Segment(Episode(env=ENV, opening=prompt), why), True)
         self._check_length(plan.prompt, max_tokens)

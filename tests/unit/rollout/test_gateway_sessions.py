@@ -193,3 +193,22 @@ def test_end_takes_a_reward_or_a_scoring_not_both() -> None:
         chat([{"role": "user", "content": "x"}], presence_penalty=1.0)
     with pytest.raises(ValidationError, match="logit_bias"):
         chat([{"role": "user", "content": "x"}], logit_bias={"1": 5})
+
+
+def test_a_template_that_refuses_or_cannot_continue() -> None:
+    tok = tiny_tokenizer()
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    s = Session("s", b"", "t", ChatRenderer(tok), Limits(8, 4096), 0.0)
+    with pytest.raises(CallRefused, match="roles must alternate"):
+        s.plan_chat(chat([{"role": "user", "content": "x"}]), 4)
+    assert not s.busy
+    # a template that renders the last turn differently once more follow (as Qwen3's drops an empty <think>)
+    tok.chat_template = (
+        "{% for m in messages %}{% if loop.last %}<last>{% endif %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    s = Session("s", b"", "t", ChatRenderer(tok), Limits(8, 4096), 0.0)
+    first = [{"role": "user", "content": "x"}]
+    answer(s, chat(first), ["y"])
+    plan = s.plan_chat(chat([*first, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]), 4)
+    assert plan.new and plan.segment.reason.startswith("the chat template cannot continue")
