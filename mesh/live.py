@@ -159,7 +159,37 @@ def mesh_numbers(states: list[ServiceState]) -> dict[str, float]:
         "reward_items": value(states, "dapo_reward_items_total", prefix="reward"),
         **curriculum_numbers(states),
         **episode_numbers(states),
+        **gateway_numbers(states),
     }
+
+
+def gateway_numbers(states: list[ServiceState]) -> dict[str, float]:
+    """The replicas' gateways (empty when none serves one): sessions by outcome and open, calls, 429s, and the
+    added latency per call p50 / p99 (since the replicas started)."""
+    sessions = "dapo_gateway_sessions_total"
+    if not any(sessions in st.metrics for st in states if st.name.startswith("rollout")):
+        return {}
+    outcomes = ("opened", "ended", "abandoned")
+    out = {f"gateway_sessions/{o}": value(states, sessions, prefix="rollout", outcome=o) for o in outcomes}
+    return out | {
+        "gateway_open": value(states, "dapo_gateway_sessions_open", prefix="rollout"),
+        "gateway_calls": value(states, "dapo_gateway_calls_total", prefix="rollout", status="200"),
+        "gateway_429": value(states, "dapo_gateway_rejected_total", prefix="rollout"),
+        "gateway_added_p50_s": quantile(states, "dapo_gateway_added_seconds", 0.5, prefix="rollout"),
+        "gateway_added_p99_s": quantile(states, "dapo_gateway_added_seconds", 0.99, prefix="rollout"),
+    }
+
+
+def gateway_line(n: dict[str, float]) -> str | None:
+    if "gateway_open" not in n:
+        return None
+    s = {k.split("/", 1)[1]: v for k, v in n.items() if k.startswith("gateway_sessions/")}
+    return (
+        f"gateway: sessions open {_fmt(n['gateway_open'], '.0f')}, ended {_fmt(s.get('ended'), '.0f')}, abandoned "
+        f"{_fmt(s.get('abandoned'), '.0f')}; calls {_fmt(n['gateway_calls'], '.0f')}, 429s "
+        f"{_fmt(n['gateway_429'], '.0f')}; added per call p50 / p99 {_fmt(n['gateway_added_p50_s'])} / "
+        f"{_fmt(n['gateway_added_p99_s'])} s"
+    )
 
 
 def curriculum_numbers(states: list[ServiceState]) -> dict[str, float]:
@@ -295,4 +325,6 @@ class LiveView:
             parts.append(episodes)
         if bands:
             parts.append(f"prompts by band: {bands}")
+        if (gateway := gateway_line(n)) is not None:
+            parts.append(gateway)
         return Group(*parts, health)

@@ -37,11 +37,13 @@ def exported_metrics() -> set[str]:
     from learner.metrics import LearnerMetrics
     from learner.weight_sync import SyncMetrics
     from reward_server.scoring import RewardMetrics
+    from rollout.gateway.metrics import GatewayMetrics
     from rollout.metrics import RolloutMetrics
     from services.streams import StreamMetrics
 
     registry = CollectorRegistry()
-    for cls in (LearnerMetrics, SyncMetrics, RewardMetrics, RolloutMetrics, BufferMetrics, StreamMetrics, EnvMetrics):
+    for cls in (LearnerMetrics, SyncMetrics, RewardMetrics, RolloutMetrics, BufferMetrics, StreamMetrics, EnvMetrics,
+                GatewayMetrics):  # fmt: skip
         cls(registry)
     names = set()
     for family in registry.collect():
@@ -70,7 +72,7 @@ def test_dashboard_and_alerts_use_only_exported_metrics() -> None:
         assert not unknown, f"{where} references metrics no service exports: {sorted(unknown)}"
     # the dashboard covers the mesh end to end: every service's metrics appear
     prefixes = ("dapo_reward_", "dapo_env_", "dapo_buffer_", "dapo_rollout_", "dapo_learner_", "dapo_learner_sync_",
-                "dapo_eval_")  # fmt: skip
+                "dapo_gateway_", "dapo_eval_")  # fmt: skip
     for prefix in prefixes:
         assert any(m.startswith(prefix) for m in referenced("\n".join(exprs))), prefix
     # Grafana lays the panels out as written: none may cover another

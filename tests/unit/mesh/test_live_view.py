@@ -195,3 +195,23 @@ def test_curves_add_episode_panels(tmp_path: Path) -> None:
     finally:
         matplotlib.axes.Axes.set_title = real  # type: ignore[method-assign]
     assert "episodes" in titles and len(titles) == len(curves.PANELS) + len(curves.EPISODE_PANELS)
+
+
+def test_gateway_numbers_and_line() -> None:
+    from mesh.live import gateway_line, gateway_numbers
+
+    plain = ServiceState("rollout-0", 2, True, True, "ready", {"dapo_rollout_tokens_per_second": [({}, 1.0)]})
+    assert gateway_numbers([plain]) == {} and gateway_line({}) is None
+    buckets = [({"le": "0.01"}, 6.0), ({"le": "0.1"}, 9.0), ({"le": "+Inf"}, 10.0)]
+    metrics = {"dapo_gateway_sessions_total": [({"outcome": "opened"}, 12.0), ({"outcome": "ended"}, 9.0),
+                                               ({"outcome": "abandoned"}, 1.0)],
+               "dapo_gateway_sessions_open": [({}, 2.0)],
+               "dapo_gateway_calls_total": [({"route": "chat", "status": "200"}, 30.0),
+                                            ({"route": "chat", "status": "400"}, 4.0)],
+               "dapo_gateway_rejected_total": [({"reason": "no_task"}, 5.0)],
+               "dapo_gateway_added_seconds_bucket": buckets}  # fmt: skip
+    n = gateway_numbers([ServiceState("rollout-0", 2, True, True, "ready", metrics)])
+    assert n["gateway_sessions/ended"] == 9 and n["gateway_open"] == 2 and n["gateway_calls"] == 30
+    assert n["gateway_429"] == 5 and n["gateway_added_p50_s"] <= 0.01 < n["gateway_added_p99_s"]
+    line = gateway_line(n)
+    assert line is not None and "open 2, ended 9, abandoned 1; calls 30, 429s 5" in line
