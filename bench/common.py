@@ -7,6 +7,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass
@@ -50,3 +51,28 @@ def print_table(results: list[Result]) -> None:
         )
     Console(width=200).print(table)
     print(json.dumps([r.row() for r in results]))
+
+
+def engine_script(name: str, script: str, args: list[str], *, timeout_s: float = 1800) -> dict[str, Any]:
+    """Run a benchmark's script in its own process (vLLM's engine in that process, its compile cache in a fresh
+    folder) and return what it printed on its `RESULT {json}` line."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"dapo-bench-{name}-"))
+    (tmp / f"{name}.py").write_text(script)
+    root = Path(__file__).resolve().parents[1]
+    env = os.environ | {
+        "PYTHONPATH": str(root),
+        "VLLM_CACHE_ROOT": str(tmp / "v"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    r = subprocess.run([sys.executable, str(tmp / f"{name}.py"), *args], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=timeout_s)  # fmt: skip
+    if r.returncode:
+        raise RuntimeError(f"bench {name}: {r.stderr[-3000:]}")
+    out: dict[str, Any] = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    return out

@@ -10,14 +10,9 @@ each (ignore_eos: lengths as set), the real environment service over HTTP (bench
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from bench.common import Result, print_table
+from bench.common import Result, engine_script, print_table
 
 EPISODES = {"episodes": 64, "turns": 4, "tokens": 16, "bound": 16, "latencies": "0.1,1.0"}
 
@@ -79,20 +74,8 @@ def run(model_dir: Path | None = None) -> list[Result]:
     from bench.rollout import smollm2
 
     model_dir = model_dir or smollm2()
-    tmp = Path(tempfile.mkdtemp(prefix="dapo-bench-"))
-    (tmp / "episodes.py").write_text(SCRIPT)
-    root = Path(__file__).resolve().parents[1]
-    env = os.environ | {
-        "PYTHONPATH": str(root),
-        "VLLM_CACHE_ROOT": str(tmp / "v"),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }
     args = [str(EPISODES[k]) for k in ("episodes", "turns", "tokens", "bound", "latencies")]
-    r = subprocess.run([sys.executable, str(tmp / "episodes.py"), str(model_dir), *args], env=env, cwd=root,
-                       capture_output=True, text=True, timeout=1800)  # fmt: skip
-    if r.returncode:
-        raise RuntimeError(f"bench.episodes: {r.stderr[-3000:]}")
-    data = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    data = engine_script("episodes", SCRIPT, [str(model_dir), *args])
     rows = []
     for seconds in EPISODES["latencies"].split(","):  # type: ignore[union-attr]
         (nc, tc), (ns, ts) = data[str(float(seconds))]["continuous"], data[str(float(seconds))]["turn_by_turn"]

@@ -11,8 +11,6 @@ latency of a call (p50, p99) both ways: what the gateway adds per call.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -22,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Result, print_table
+from bench.common import Result, engine_script, print_table
 
 CONF = {"agents": 16, "rounds": 2, "turns": 4, "tokens": 48}
 
@@ -69,26 +67,9 @@ if __name__ == "__main__":
 """
 
 
-def direct(model: Path, tmp: Path) -> dict[str, Any]:
-    (tmp / "direct.py").write_text(DIRECT)
-    root = Path(__file__).resolve().parents[1]
-    env = os.environ | {
-        "PYTHONPATH": str(root),
-        "VLLM_CACHE_ROOT": str(tmp / "v"),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }
+def direct(model: Path) -> dict[str, Any]:
     args = [str(CONF[k]) for k in ("agents", "rounds", "turns", "tokens")]
-    r = subprocess.run(
-        [sys.executable, str(tmp / "direct.py"), str(model), *args],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if r.returncode:
-        raise RuntimeError(f"bench.gateway (direct): {r.stderr[-3000:]}")
-    return json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    return engine_script("gateway-direct", DIRECT, [str(model), *args])
 
 
 def agent(base: str, a: int, lat: list[float], tokens: list[int]) -> None:
@@ -185,7 +166,7 @@ def run(model_dir: Path | None = None) -> list[Result]:
 
     model = model_dir or smollm2()
     tmp = Path(tempfile.mkdtemp(prefix="dapo-bench-gw-"))
-    d = direct(model, tmp)
+    d = direct(model)
     g = through_gateway(model, tmp)
     what = (
         f"vllm SmolLM2-135M {d['dtype']}, {CONF['agents']} agents x {CONF['rounds']} sessions x {CONF['turns']} "

@@ -160,7 +160,9 @@ async def chat(request: Request, req: ChatRequest, caller: Auth) -> Any:
     head = {"id": rid, "created": created, "model": gw.s.gateway_model}
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(chat_stream(gw, p, req, head, tools, include, t0), media_type="text/event-stream")
+        chunk = sse(head, "chat.completion.chunk")
+        gen = chat_events(gw, p, req, chunk, tools, t0)
+        return StreamingResponse(framed(gw, p, "chat", include, chunk, gen), media_type="text/event-stream")
     outs = await outcome(gw, p)
     kept = keep(gw, p, outs, t0, chat=True, tools=tools)
     gw.m.calls.labels("chat", "200").inc()
@@ -198,46 +200,66 @@ async def events(p: Pending) -> AsyncIterator[Delta | list[Completion]]:
             return
 
 
-async def chat_stream(
-    gw: Gateway, p: Pending, req: ChatRequest, head: dict[str, Any], tools: bool, include: bool, t0: float
-) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
-        return f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': choices, **more})}\n\n"
+def sse(head: dict[str, Any], kind: str) -> Any:
+    """One server-sent event of this call: its choices (and more, e.g. usage) in the `kind` object."""
 
+    def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
+        return f"data: {json.dumps({**head, 'object': kind, 'choices': choices, **more})}\n\n"
+
+    return chunk
+
+
+async def framed(
+    gw: Gateway, p: Pending, route: str, include: bool, chunk: Any, body: AsyncIterator[str | list[Completion]]
+) -> AsyncIterator[str]:
+    """What both routes' streams share: the body's events (it yields the kept completions once answered), the usage
+    if asked, [DONE]; an error as an error event; a client gone before the answer takes its sequences out of the
+    engine."""
     done = False
     try:
-        yield chunk(
-            [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(req.n)]
-        )
         outs: list[Completion] = []
-        async for item in events(p):
-            if isinstance(item, Delta):
-                if not tools:  # with tools the answer is parsed once whole: its calls, then its text
-                    yield chunk([{"index": item.index, "delta": {"content": item.text}, "finish_reason": None}])
+        async for item in body:
+            if isinstance(item, str):
+                yield item
             else:
-                outs = item
-        kept = keep(gw, p, outs, t0, chat=True, tools=tools)
-        done = True
-        for i, (ch, finish) in enumerate(kept):
-            delta: dict[str, Any] = {}
-            if tools:
-                msg = ch.message or {}
-                delta = {"content": msg.get("content")}
-                if msg.get("tool_calls"):
-                    delta["tool_calls"] = [{"index": j, **tc} for j, tc in enumerate(msg["tool_calls"])]
-            lp = logprobs_of(gw, ch.c) if req.logprobs else None
-            last = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
-            ids = {"token_ids": ch.c.token_ids, "prompt_token_ids": p.prompt} if req.return_token_ids else {}
-            yield chunk([{**last, **ids}])
+                done, outs = True, item
         if include:
             yield chunk([], usage=usage(p, outs))
         yield "data: [DONE]\n\n"
-        gw.m.calls.labels("chat", "200").inc()
+        gw.m.calls.labels(route, "200").inc()
     except ApiError as e:
         yield f"data: {json.dumps(error(str(e), e.kind))}\n\n"
     finally:
         if not done:
-            give_up(gw, p)  # the client went away mid-stream: its sequences leave the engine
+            give_up(gw, p)
+
+
+async def chat_events(
+    gw: Gateway, p: Pending, req: ChatRequest, chunk: Any, tools: bool, t0: float
+) -> AsyncIterator[str | list[Completion]]:
+    yield chunk(
+        [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(req.n)]
+    )
+    outs: list[Completion] = []
+    async for item in events(p):
+        if isinstance(item, Delta):
+            if not tools:  # with tools the answer is parsed once whole: its calls, then its text
+                yield chunk([{"index": item.index, "delta": {"content": item.text}, "finish_reason": None}])
+        else:
+            outs = item
+    kept = keep(gw, p, outs, t0, chat=True, tools=tools)
+    yield outs
+    for i, (ch, finish) in enumerate(kept):
+        delta: dict[str, Any] = {}
+        if tools:
+            msg = ch.message or {}
+            delta = {"content": msg.get("content")}
+            if msg.get("tool_calls"):
+                delta["tool_calls"] = [{"index": j, **tc} for j, tc in enumerate(msg["tool_calls"])]
+        lp = logprobs_of(gw, ch.c) if req.logprobs else None
+        last = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
+        ids = {"token_ids": ch.c.token_ids, "prompt_token_ids": p.prompt} if req.return_token_ids else {}
+        yield chunk([{**last, **ids}])
 
 
 @router.post("/v1/completions")
@@ -250,7 +272,9 @@ async def completions(request: Request, req: CompletionRequest, caller: Auth) ->
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": gw.s.gateway_model}
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(completion_stream(gw, p, req, head, include, t0), media_type="text/event-stream")
+        chunk = sse(head, "text_completion")
+        gen = completion_events(gw, p, req, chunk, t0)
+        return StreamingResponse(framed(gw, p, "completions", include, chunk, gen), media_type="text/event-stream")
     outs = await outcome(gw, p)
     kept = keep(gw, p, outs, t0)
     gw.m.calls.labels("completions", "200").inc()
@@ -276,32 +300,18 @@ def legacy_logprobs(gw: Gateway, c: Completion) -> dict[str, Any]:
     return {"tokens": tokens, "token_logprobs": list(c.logprobs), "top_logprobs": None, "text_offset": offsets}
 
 
-async def completion_stream(
-    gw: Gateway, p: Pending, req: CompletionRequest, head: dict[str, Any], include: bool, t0: float
-) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
-        return f"data: {json.dumps({**head, 'object': 'text_completion', 'choices': choices, **more})}\n\n"
-
-    done = False
-    try:
-        outs: list[Completion] = []
-        async for item in events(p):
-            if isinstance(item, Delta):
-                yield chunk([{"index": item.index, "text": item.text, "finish_reason": None, "logprobs": None}])
-            else:
-                outs = item
-        kept = keep(gw, p, outs, t0)
-        done = True
-        for i, (ch, finish) in enumerate(kept):
-            lp = legacy_logprobs(gw, ch.c) if req.logprobs is not None else None
-            ids = {"token_ids": ch.c.token_ids, "prompt_token_ids": p.prompt} if req.return_token_ids else {}
-            yield chunk([{"index": i, "text": "", "finish_reason": finish, "logprobs": lp, **ids}])
-        if include:
-            yield chunk([], usage=usage(p, outs))
-        yield "data: [DONE]\n\n"
-        gw.m.calls.labels("completions", "200").inc()
-    except ApiError as e:
-        yield f"data: {json.dumps(error(str(e), e.kind))}\n\n"
-    finally:
-        if not done:
-            give_up(gw, p)
+async def completion_events(
+    gw: Gateway, p: Pending, req: CompletionRequest, chunk: Any, t0: float
+) -> AsyncIterator[str | list[Completion]]:
+    outs: list[Completion] = []
+    async for item in events(p):
+        if isinstance(item, Delta):
+            yield chunk([{"index": item.index, "text": item.text, "finish_reason": None, "logprobs": None}])
+        else:
+            outs = item
+    kept = keep(gw, p, outs, t0)
+    yield outs
+    for i, (ch, finish) in enumerate(kept):
+        lp = legacy_logprobs(gw, ch.c) if req.logprobs is not None else None
+        ids = {"token_ids": ch.c.token_ids, "prompt_token_ids": p.prompt} if req.return_token_ids else {}
+        yield chunk([{"index": i, "text": "", "finish_reason": finish, "logprobs": lp, **ids}])

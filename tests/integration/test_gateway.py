@@ -264,6 +264,15 @@ def test_bad_input_gets_openai_shaped_4xx(mesh: Mesh) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     r = httpx.post(f"{mesh.base}/v1/chat/completions", headers=MESH, content=b"{not json", timeout=10)
     assert r.status_code == 400 and "error" in r.json()
+    # completions, streamed, with usage; token-id prompts checked against the vocabulary
+    usage = {"include_usage": True}
+    stream = ok.completions.create(model="policy", prompt="Hi", max_tokens=5, stream=True, stream_options=usage,
+                                   extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    with pytest.raises(openai.BadRequestError, match="token ids"):
+        ok.completions.create(model="policy", prompt=[1, 2, 99999], max_tokens=2)
     # n choices, uncaptured, work with the mesh token
     out = ok.chat.completions.create(model="policy", messages=msgs, n=3, max_tokens=4)
     assert [c.index for c in out.choices] == [0, 1, 2]
