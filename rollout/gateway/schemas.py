@@ -56,15 +56,6 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class FunctionName(BaseModel):
-    name: str = Field(max_length=64)
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"] = "function"
-    function: FunctionName
-
-
 class Sampling(_Request):
     model: str = Field(min_length=1, max_length=256)
     n: int = Field(1, ge=1, le=128)
@@ -94,7 +85,9 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0, description="0 only: the sampled token's log-prob is given.")
     tools: list[ToolSpec] | None = Field(None, max_length=64)
-    tool_choice: Literal["none", "auto"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description="auto or none; `required` and a named tool are refused (nothing constrains the sampling)."
+    )
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")

@@ -243,6 +243,30 @@ def test_an_environments_task_opens_and_is_scored_by_its_environment(mesh: Mesh)
     assert len(g.samples) == 2 and all(x.episode is not None and x.episode.env == "gateway" for x in g.samples)
 
 
+def test_a_clients_own_task_makes_its_own_group(mesh: Mesh) -> None:
+    own = {"task_id": "mine-1", "prompt": "Add 1 and 1.", "ground_truth": "2", "group_size": 2}
+    keys = []
+    for reward in (0.5, -0.5):
+        r = httpx.post(f"{mesh.base}/v1/sessions", json={"task": own}, headers=MESH, timeout=30)
+        assert r.status_code == 201, r.text
+        s = r.json()
+        assert s["task"]["task_id"] == "mine-1" and s["task"]["messages"] == [
+            {"role": "user", "content": own["prompt"]}
+        ]
+        client = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
+        client.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=6)
+        end = httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"reward": reward}, headers=MESH,
+                         timeout=30)  # fmt: skip
+        assert end.status_code == 200, end.text
+        keys.append(s["api_key"])
+    # the group is full: a third session of the same task is refused
+    r = httpx.post(f"{mesh.base}/v1/sessions", json={"task": own}, headers=MESH, timeout=30)
+    assert r.status_code in (201, 409)  # 201 only if the full group was already published (a new group begins)
+    g = wait_group(mesh, "mine-1")
+    assert g.task.data_source == "gateway" and [sc.reward for sc in g.scores] == [0.5, -0.5]
+    assert g.task.prompt_token_ids.tolist() == render_ids([{"role": "user", "content": own["prompt"]}])
+
+
 def test_bad_input_gets_openai_shaped_4xx(mesh: Mesh) -> None:
     bad = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key="dms_nosuch_session", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -212,3 +212,24 @@ def test_a_template_that_refuses_or_cannot_continue() -> None:
     answer(s, chat(first), ["y"])
     plan = s.plan_chat(chat([*first, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]), 4)
     assert plan.new and plan.segment.reason.startswith("the chat template cannot continue")
+
+
+def test_a_template_with_tools_renders_them_itself() -> None:
+    tok = tiny_tokenizer()
+    tok.chat_template = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>\n{% endif %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+        "{% for c in m.get('tool_calls') or [] %}[call {{ c['function']['name'] }}]{% endfor %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    render = ChatRenderer(tok)
+    assert render.native_tools
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    req = chat([{"role": "user", "content": "2+3"}], tools=tools)
+    text = tok.decode(render.full(req.messages, req.tools))
+    assert text.startswith("<tools>add;</tools>\n") and "You can call tools" not in text
+    back = chat([{"role": "user", "content": "2+3"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}])  # fmt: skip
+    assert "[call add]" in tok.decode(render.full(back.messages, None))
+    with pytest.raises(ValidationError, match="tool_choice"):
+        chat([{"role": "user", "content": "x"}], tools=tools, tool_choice="required")
