@@ -59,8 +59,10 @@ class ContinuousLoop:
         published = self.r.publish()
         gw = self.gateway
         if gw is not None:  # its calls first: an agent waits on each
-            gw.advance(self.engine, self.r.consumer)
-            published += gw.publish(self.r.consumer)
+            gw.advance(self.engine, self.r.consumer, hold=self.waiting_load or self.eval_waiting)
+            done = gw.publish(self.r.consumer)
+            self.r.publisher.done += done  # --max-prompts counts the gateway's groups too
+            published += done
         self.advance_episodes()  # episodes' next turns take the engine's room before new prompts do
         if not self.r.s.gateway_only and self.admit(wait=not published):
             self.advance_episodes()  # the new prompts' first turns

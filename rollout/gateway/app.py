@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -29,7 +30,7 @@ from rollout.engines.base import Completion
 from rollout.env_client import EnvRejected, EnvUnavailable
 from rollout.gateway import calls
 from rollout.gateway.auth import ApiError, Auth, Caller, mesh
-from rollout.gateway.core import Busy, Gateway, Seat, Waiter
+from rollout.gateway.core import Busy, Conflict, Gateway, Seat, Waiter
 from rollout.gateway.schemas import EndSession, OpenSession
 from rollout.gateway.sessions import CallRefused, Session
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable, score_items
@@ -119,8 +120,10 @@ async def open_session(request: Request, body: OpenSession | None = None) -> dic
             seat = gw.seat(waiter, body.task if body else None)
     except Busy as e:
         raise ApiError(429, str(e), "rate_limit_error", retry_after=1) from e
-    except ValueError as e:
+    except Conflict as e:
         raise ApiError(409, str(e)) from e
+    except ValueError as e:
+        raise ApiError(400, str(e), param="task") from e
     if seat is None:
         try:
             seat = await asyncio.wait_for(asyncio.shield(waiter.future), gw.s.gateway_open_wait_s)
@@ -146,6 +149,7 @@ async def open_env(gw: Gateway, seat: Seat) -> None:
     assert seat.env is not None
     name, body = seat.env
     episode = f"gw-{seat.session.sid}"
+    seat.session.busy = True  # not expired while its environment opens
     try:
         if gw.envs is None:
             raise EnvRejected(400, "this replica has no environment service (--env-url)")
@@ -156,9 +160,11 @@ async def open_env(gw: Gateway, seat: Seat) -> None:
         raise ApiError(503, f"{e}; retry", "server_error", retry_after=2) from e
     except EnvRejected as e:
         with gw.lock:
-            gw.refuse_task(seat.task.task_id, "env_rejected", str(e)[:500])
+            gw.refuse_task(seat.session.task_id, "env_rejected", str(e)[:500])
         raise ApiError(503, f"{e}; the task is dead-lettered, retry for another", "server_error", retry_after=1) from e
-    seat.session.env = (opening.base, episode)
+    with gw.lock:
+        seat.session.env = (opening.base, episode)
+        seat.session.failed(time.monotonic())  # not busy any more, and its idle time starts now
     seat.messages = [m.model_dump(exclude_none=True) for m in opening.response.messages]
     seat.tools = [t.model_dump() for t in opening.response.tools]
 
@@ -220,10 +226,19 @@ async def end_session(request: Request, sid: str, body: EndSession, caller: Auth
         with gw.lock:
             try:
                 answer = sess.last_answer(body.choice)
+                task = gw.group_task(sess)
+                if sess.state != "open" or task is None:
+                    raise CallRefused(f"session {sid} is {sess.state}")
+                if sess.busy:
+                    raise CallRefused("a call of this session is in flight: end it once answered", conflict=True)
             except CallRefused as e:
-                raise ApiError(400, str(e)) from e
-            task = gw.group_task(sess)
-        score = await (env_score(gw, sess, answer) if sess.env else reward_score(request, task, answer))
+                raise ApiError(409 if e.conflict else 400, str(e)) from e
+            sess.busy = True  # scoring: no call, no expiry, no second end meanwhile
+        try:
+            score = await (env_score(gw, sess, answer) if sess.env else reward_score(request, task, answer))
+        finally:
+            with gw.lock:
+                sess.busy = False
     else:
         assert body.reward is not None
         score = Score(reward=body.reward, acc=body.reward > 0)

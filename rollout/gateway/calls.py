@@ -72,22 +72,26 @@ def enter(gw: Gateway, caller: Caller, req: ChatRequest | CompletionRequest, max
                 )
         except CallRefused as e:
             raise ApiError(409 if e.conflict else 400, str(e), code=e.code) from e
-        if not prompt:
-            raise ApiError(400, "prompt: empty once tokenised", param="prompt")
-        if plan is None and len(prompt) + max_tokens > gw.s.gateway_max_context:
-            raise ApiError(
-                400,
-                f"the prompt ({len(prompt)} tokens) and max_tokens exceed {gw.s.gateway_max_context} tokens",
-                code="context_length_exceeded",
-            )
-        key = f"g/{sess.sid if sess else 'free'}/{uuid.uuid4().hex[:12]}"
-        p = Pending(key, prompt, req.n, params, Waiter(stream), stream, sess, plan)
-        try:
+        except (TypeError, ValueError, RecursionError) as e:  # text the tokenizer cannot take (a lone surrogate)
+            raise ApiError(400, f"the request's text cannot be tokenised: {str(e)[:200]}") from e
+        try:  # the session is busy with this call from here: any refusal frees it
+            if not prompt:
+                raise ApiError(400, "prompt: empty once tokenised", param="prompt")
+            if plan is None and len(prompt) + max_tokens > gw.s.gateway_max_context:
+                raise ApiError(
+                    400,
+                    f"the prompt ({len(prompt)} tokens) and max_tokens exceed {gw.s.gateway_max_context} tokens",
+                    code="context_length_exceeded",
+                )
+            key = f"g/{sess.sid if sess else 'free'}/{uuid.uuid4().hex[:12]}"
+            p = Pending(key, prompt, req.n, params, Waiter(stream), stream, sess, plan)
             gw.submit(p)
-        except Busy as e:
-            if sess is not None:
+        except (ApiError, Busy) as e:
+            if sess is not None and plan is not None:
                 sess.failed(time.monotonic())
-            raise ApiError(429, str(e), "rate_limit_error", retry_after=1) from e
+            if isinstance(e, Busy):
+                raise ApiError(429, str(e), "rate_limit_error", retry_after=1) from e
+            raise
     return p
 
 

@@ -43,7 +43,7 @@ from rollout.env_client import EnvClient
 from rollout.episode_runner import env_task
 from rollout.gateway.metrics import GatewayMetrics
 from rollout.gateway.schemas import OwnTask
-from rollout.gateway.sessions import ChatRenderer, Limits, Plan, Session, common_prefix, rebase
+from rollout.gateway.sessions import CallRefused, ChatRenderer, Limits, Plan, Session, common_prefix, rebase
 from rollout.settings import RolloutSettings
 from services.arrays import TokenIds
 from services.schemas import PromptTask, Score, ScoredGroup
@@ -104,6 +104,11 @@ class TaskGroup:
     seats: int  # sessions still to open
     sessions: list[Session] = field(default_factory=list)
     scores: dict[str, Score] = field(default_factory=dict)  # by session id, once ended
+    seated_at: float = field(default_factory=time.monotonic)  # when a seat was last taken (or the group began)
+    key: str = ""  # in Gateway.groups: the task id, "own:<task id>" for a client's own task
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.task.task_id
 
     def complete(self) -> bool:
         return self.seats == 0 and all(s.state != "open" for s in self.sessions)
@@ -155,23 +160,19 @@ class Gateway:
             self.m.rejected.labels("sessions").inc()
             raise Busy(f"{self.s.gateway_max_sessions} sessions are open (--gateway-max-sessions)")
         if own is not None:
-            g = self.groups.get(own.task_id)
+            if own.verifier.startswith("env:"):
+                raise ValueError("an own task is scored by the reward server (or the client): not an env: verifier")
+            key = f"own:{own.task_id}"
+            g = self.groups.get(key)
             if g is None:
-                task = PromptTask(
-                    task_id=own.task_id,
-                    prompt_id=own.task_id,
-                    prompt=own.prompt,
-                    ground_truth=own.ground_truth,
-                    verifier=own.verifier,
-                    data_source="gateway",
-                    n_samples=own.group_size,
-                    dispatch_version=self.version,
-                )
-                g = self.groups[own.task_id] = TaskGroup(task, None, own.group_size)
-            elif g.delivery is not None or g.task.prompt != own.prompt or g.seats == 0:
-                raise ValueError(f"task {own.task_id}: taken, or its group is full or differs")
+                task = PromptTask(task_id=own.task_id, prompt_id=own.task_id, prompt=own.prompt,
+                                  ground_truth=own.ground_truth, verifier=own.verifier, data_source="gateway",
+                                  n_samples=own.group_size, dispatch_version=self.version)  # fmt: skip
+                g = self.groups[key] = TaskGroup(task, None, own.group_size, key=key)
+            elif g.task.prompt != own.prompt or g.task.n_samples != own.group_size or g.seats == 0:
+                raise Conflict(f"task {own.task_id}: its group is full, or was opened with another prompt or size")
             return self._take(g)
-        free = next((g for g in self.groups.values() if g.seats and g.delivery is not None), None)
+        free = self._free()
         if free is not None:
             return self._take(free)
         self.seat_waiters.append(waiter)
@@ -186,8 +187,9 @@ class Gateway:
     def _take(self, g: TaskGroup) -> Seat:
         sid = uuid.uuid4().hex[:16]
         secret = secrets.token_urlsafe(24)
-        session = Session(sid, _hash(secret), g.task.task_id, self.render, self.limits, time.monotonic())
+        session = Session(sid, _hash(secret), g.key, self.render, self.limits, time.monotonic())
         g.seats -= 1
+        g.seated_at = time.monotonic()
         g.sessions.append(session)
         self.sessions[sid] = session
         self.m.open.inc()
@@ -201,8 +203,9 @@ class Gateway:
         if g is not None and session in g.sessions:
             g.sessions.remove(session)
             g.seats += 1
-        if self.sessions.pop(session.sid, None) is not None:
+        if self.sessions.pop(session.sid, None) is not None and session.state == "open":
             self.m.open.dec()
+        session.state = "abandoned"
 
     def refuse_task(self, task_id: str, kind: str, why: str) -> None:
         """A task that cannot be handed out (its environment refuses it): dead-lettered, its sessions over."""
@@ -233,14 +236,17 @@ class Gateway:
         self.wake.set()
 
     def end(self, session: Session, choice: int, score: Score) -> None:
+        g = self.groups.get(session.task_id)
+        if g is None:
+            raise CallRefused(f"session {session.sid} is {session.state}")
         session.end(choice, score.reward)
-        g = self.groups[session.task_id]
         g.scores[session.sid] = score
         self.m.open.dec()
         self.m.sessions.labels("ended").inc()
 
-    def group_task(self, session: Session) -> PromptTask:
-        return self.groups[session.task_id].task
+    def group_task(self, session: Session) -> PromptTask | None:
+        g = self.groups.get(session.task_id)
+        return g.task if g is not None else None
 
     # ------------------------------------------------------------------ the loop's side
 
@@ -253,7 +259,10 @@ class Gateway:
         self.wake.wait(timeout_s)
         self.wake.clear()
 
-    def advance(self, engine: ContinuousBatching, consumer: StreamConsumer[PromptTask]) -> None:
+    def advance(self, engine: ContinuousBatching, consumer: StreamConsumer[PromptTask], hold: bool = False) -> None:
+        """Cancels, tasks for waiting sessions (read from Redis outside the lock: handlers never wait on Redis),
+        calls to the engine (none while `hold`: a weight load or an evaluation waits for the engine to drain),
+        idle sessions and unfilled groups expired."""
         self.version = engine.version
         with self.lock:
             while self.cancels:
@@ -261,28 +270,39 @@ class Gateway:
                 self.calls.pop(key, None)
                 if engine.cancel(key):
                     self.m.cancelled.inc()
-            self._hand_out(consumer)
-            self._submit(engine)
-            self._expire()
+            self.seat_waiters = deque(w for w in self.seat_waiters if not w.withdrawn)
+            need = bool(self.seat_waiters) and self._free() is None
+        got = consumer.read(count=1, block_ms=0) if need else []
+        with self.lock:
+            for d in got:
+                self._place(d)
+            self._hand_out()
+            if not hold:
+                self._submit(engine)
+            self._expire(consumer)
         consumer.keep_alive()
 
-    def _hand_out(self, consumer: StreamConsumer[PromptTask]) -> None:
-        """Tasks read for the sessions waiting for one, as many as they need."""
-        while self.seat_waiters and self.seat_waiters[0].withdrawn:
-            self.seat_waiters.popleft()
-        while self.seat_waiters:
-            free = next((g for g in self.groups.values() if g.seats and g.delivery is not None), None)
-            if free is None:
-                got = [d for d in consumer.read(count=1, block_ms=0) if d.message.task_id not in self.groups]
-                if not got:
-                    return
-                d = got[0]
-                try:
-                    env_task(d.message)
-                except ValueError as e:
-                    self.dead.append((TaskGroup(d.message, d, 0), "env_task_invalid", str(e)[:500]))
-                    continue
-                free = self.groups[d.message.task_id] = TaskGroup(d.message, d, d.message.n_samples)
+    def _free(self) -> TaskGroup | None:
+        return next((g for g in self.groups.values() if g.seats and g.delivery is not None), None)
+
+    def _place(self, d: Delivery[PromptTask]) -> None:
+        """A task read for the waiting sessions: a group of its G seats, or a dead letter (malformed, or a task
+        already here: a second delivery of the same task id would be held by nobody)."""
+        here = self.groups.get(d.message.task_id)
+        if here is not None:
+            if here.delivery is None or here.delivery.entry_id != d.entry_id:  # the same entry again: ours already
+                self.dead.append((TaskGroup(d.message, d, 0), "duplicate_task", "a task with this id is in sessions"))
+            return
+        try:
+            env_task(d.message)
+        except ValueError as e:
+            self.dead.append((TaskGroup(d.message, d, 0), "env_task_invalid", str(e)[:500]))
+            return
+        self.groups[d.message.task_id] = TaskGroup(d.message, d, d.message.n_samples)
+
+    def _hand_out(self) -> None:
+        """Free seats to the sessions waiting for one, in order."""
+        while self.seat_waiters and (free := self._free()) is not None:
             waiter = self.seat_waiters.popleft()
             if not waiter.withdrawn:
                 waiter.resolve(self._take(free))
@@ -303,7 +323,9 @@ class Gateway:
             p.version, p.submitted_at = engine.version, time.monotonic()
             self.calls[p.key] = p
 
-    def _expire(self) -> None:
+    def _expire(self, consumer: StreamConsumer[PromptTask]) -> None:
+        """Idle sessions abandoned; a group whose seats nobody took for --gateway-idle-s closes with the sessions it
+        has (none: a task from Redis is given back, for any replica to take)."""
         now = time.monotonic()
         if now < self._next_expiry:
             return
@@ -314,6 +336,15 @@ class Gateway:
                 self.m.open.dec()
                 self.m.sessions.labels("abandoned").inc()
                 log.info("gateway session %s abandoned (idle %.0f s)", s.sid, now - s.last_seen)
+        for key, g in list(self.groups.items()):
+            if not g.seats or now - g.seated_at <= self.s.gateway_idle_s:
+                continue
+            if g.sessions:
+                g.seats = 0  # complete once its sessions are over
+            else:
+                del self.groups[key]
+                if g.delivery is not None:
+                    consumer.release(g.delivery.entry_id)
 
     def finished(self, key: str, outs: list[Completion]) -> None:
         with self.lock:
@@ -335,7 +366,7 @@ class Gateway:
         with self.lock:
             done = [g for g in self.groups.values() if g.complete()]
             for g in done:
-                del self.groups[g.task.task_id]
+                del self.groups[g.key]
                 for s in g.sessions:
                     self.sessions.pop(s.sid, None)
             dead, self.dead = self.dead, []
@@ -364,6 +395,8 @@ class Gateway:
             return None
         eps = [s.episode for s in ended if s.episode is not None]
         n = min(common_prefix([e.opening for e in eps]), *(len(e.opening) for e in eps))
+        if n == 0:
+            return None  # no token in common: there is no prompt the learner could give them all
         eps = [rebase(e, n) for e in eps]
         samples = []
         for s, e in zip(ended, eps, strict=True):
@@ -376,6 +409,10 @@ class Gateway:
 
 class Busy(RuntimeError):
     """The gateway is at a bound: a 429 with Retry-After."""
+
+
+class Conflict(ValueError):
+    """A client's own task that does not fit the group of that id: a 409."""
 
 
 def _hash(secret: str) -> bytes:

@@ -43,6 +43,10 @@ class ChatIn(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, max_length=64)
     tool_call_id: str | None = Field(None, max_length=128)
     refusal: str | None = None
+    # what the SDK's `message.model_dump()` carries back, unused here
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):

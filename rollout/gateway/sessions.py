@@ -98,6 +98,15 @@ class ChatRenderer:
         self.native_tools = isinstance(template, str) and "tools" in template
 
     def full(self, messages: list[ChatIn], tools: list[ToolSpec] | None) -> list[int]:
+        try:
+            return self._full(messages, tools)
+        except CallRefused:
+            raise
+        except Exception as e:  # a template that refuses the conversation (roles out of order, ...), tools'
+            # parameters it cannot read, text the tokenizer cannot take: the client's to fix
+            raise CallRefused(f"the model's chat template refused these messages: {str(e)[:300]}") from e
+
+    def _full(self, messages: list[ChatIn], tools: list[ToolSpec] | None) -> list[int]:
         if not self.base.template:
             return self.base.opening([plain(m) for m in messages])
         dicts = [self._dict(m) for m in messages]
@@ -109,10 +118,7 @@ class ChatRenderer:
                 dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{instructions(tools)}"}
             else:
                 dicts.insert(0, {"role": "system", "content": instructions(tools)})
-        try:
-            text = self.tok.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False, **kw)
-        except Exception as e:  # a template that refuses a conversation (roles out of order, ...): the client's
-            raise CallRefused(f"the model's chat template refused these messages: {str(e)[:300]}") from e
+        text = self.tok.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False, **kw)
         return list(self.tok(str(text), add_special_tokens=False).input_ids)
 
     def rest(self, model: Completion, messages: list[ChatIn]) -> list[int]:
@@ -146,7 +152,7 @@ def plain(m: ChatIn) -> ChatMessage:
 def _args(call: Any) -> Any:
     try:
         return json.loads(call.function.arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return call.function.arguments
 
 
@@ -180,7 +186,7 @@ def _same_answer(m: ChatIn, returned: dict[str, Any] | None) -> bool:
 def _norm(arguments: str) -> str:
     try:
         return json.dumps(json.loads(arguments), sort_keys=True)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return arguments
 
 

@@ -297,6 +297,20 @@ def test_bad_input_gets_openai_shaped_4xx(mesh: Mesh) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     with pytest.raises(openai.BadRequestError, match="token ids"):
         ok.completions.create(model="policy", prompt=[1, 2, 99999], max_tokens=2)
+    # text a tokenizer cannot take, tools it cannot read, an own task it cannot score: 400s, not 500s
+    surrogate = b'{"model": "policy", "messages": [{"role": "user", "content": "\\ud800"}]}'  # JSON's escape
+    r = httpx.post(f"{mesh.base}/v1/chat/completions", headers={**MESH, "content-type": "application/json"},
+                   content=surrogate, timeout=10)  # fmt: skip
+    assert r.status_code == 400, r.text
+    bad_tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": 1}}}}]
+    with pytest.raises(openai.BadRequestError):
+        ok.chat.completions.create(model="policy", messages=msgs, tools=bad_tools, max_tokens=2)  # type: ignore[arg-type]
+    own = {"task_id": "x", "prompt": "p", "verifier": "env:calculator", "group_size": 2}
+    assert httpx.post(f"{mesh.base}/v1/sessions", json={"task": own}, headers=MESH, timeout=10).status_code == 400
+    # the SDK's own message objects, dumped, are sent back as they are
+    first = ok.chat.completions.create(model="policy", messages=msgs, max_tokens=3)
+    again = [*msgs, first.choices[0].message.model_dump(), {"role": "user", "content": "more"}]
+    assert ok.chat.completions.create(model="policy", messages=again, max_tokens=3).choices
     # n choices, uncaptured, work with the mesh token
     out = ok.chat.completions.create(model="policy", messages=msgs, n=3, max_tokens=4)
     assert [c.index for c in out.choices] == [0, 1, 2]
@@ -309,6 +323,8 @@ def test_bad_input_gets_openai_shaped_4xx(mesh: Mesh) -> None:
     r = httpx.post(f"{mesh.base}/v1/sessions", headers={"Authorization": f"Bearer {s1['api_key']}"}, timeout=10)
     assert r.status_code == 401
     c1 = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s1["api_key"], max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="empty"):  # refused, and the session is free again
+        c1.completions.create(model="policy", prompt="", max_tokens=4)
     c1.chat.completions.create(model="policy", messages=s1["task"]["messages"], max_tokens=4)
     httpx.post(f"{mesh.base}/v1/sessions/{s1['session_id']}/end", json={"reward": 1}, headers=MESH, timeout=10)
     time.sleep(IDLE_S + 2.5)  # s2 never called: abandoned; one ended is too few to train on -> dead-lettered

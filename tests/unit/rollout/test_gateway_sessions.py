@@ -233,3 +233,70 @@ def test_a_template_with_tools_renders_them_itself() -> None:
     assert "[call add]" in tok.decode(render.full(back.messages, None))
     with pytest.raises(ValidationError, match="tool_choice"):
         chat([{"role": "user", "content": "x"}], tools=tools, tool_choice="required")
+
+
+class _Consumer:  # the prompts stream, as the gateway uses it (the stream itself is tested with real Redis)
+    def __init__(self, deliveries: list[Any]):
+        self.deliveries, self.released, self.dead = deliveries, [], []
+
+    def read(self, count: int = 1, block_ms: int = 0) -> list[Any]:
+        out, self.deliveries = self.deliveries[:count], self.deliveries[count:]
+        return out
+
+    def keep_alive(self) -> None: ...
+
+    def release(self, *ids: str) -> None:
+        self.released += ids
+
+    def dead_letter(self, ds: list[Any], kind: str, why: str) -> None:
+        self.dead += [(d.entry_id, kind) for d in ds]
+
+    def ack_and_publish(self, ids: Any, outs: Any) -> None: ...
+
+
+class _Engine:
+    version = 0
+
+    def in_flight(self) -> int:
+        return 0
+
+    def cancel(self, key: str) -> bool:
+        return False
+
+
+def test_untaken_seats_and_duplicate_deliveries_are_not_held_forever() -> None:
+    import asyncio
+
+    from rollout.gateway.core import Waiter
+    from services.streams import Delivery
+
+    s = RolloutSettings(model_dir="/nonexistent", replica_id="r", gateway_idle_s=0.01)  # type: ignore[arg-type]
+    gw = Gateway(s, TOK, GatewayMetrics(CollectorRegistry()))
+    task = PromptTask(task_id="t1", prompt_id="p", prompt="q", ground_truth="1", verifier="dapo_math",
+                      data_source="d", n_samples=2)  # fmt: skip
+    consumer = _Consumer([Delivery("1-0", task, 1), Delivery("2-0", task, 1)])
+
+    async def opened() -> Any:
+        w = Waiter()
+        assert gw.seat(w, None) is None  # no task yet: it waits for the loop
+        gw.advance(_Engine(), consumer)  # type: ignore[arg-type]
+        return await asyncio.wait_for(w.future, 1)
+
+    seat = asyncio.run(opened())
+    assert seat.task.task_id == "t1" and gw.groups["t1"].seats == 1
+    gw.seat_waiters.append(type("W", (), {"withdrawn": False, "resolve": lambda self, v: None})())  # type: ignore[arg-type]
+    gw.groups["t1"].seats = 0  # full: the next waiter makes the loop read the second delivery, a duplicate id
+    gw.advance(_Engine(), consumer)  # type: ignore[arg-type]
+    assert gw.dead and gw.dead[0][1] == "duplicate_task" and gw.dead[0][0].delivery.entry_id == "2-0"
+    gw.publish(consumer)  # type: ignore[arg-type]
+    assert consumer.dead == [("2-0", "duplicate_task")]
+    # a group nobody sits at any more closes: with no session, its delivery is given back for any replica
+    gw.groups.clear()
+    gw.groups["t2"] = TaskGroup(task.model_copy(update={"task_id": "t2"}), Delivery("3-0", task, 1), 2)
+    import time
+
+    time.sleep(0.05)
+    gw._next_expiry = 0.0
+    gw.seat_waiters.clear()
+    gw.advance(_Engine(), consumer)  # type: ignore[arg-type]
+    assert "t2" not in gw.groups and consumer.released == ["3-0"]
