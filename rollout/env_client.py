@@ -123,6 +123,12 @@ class EnvClient:
         body = {"turn": turn, "message": {"role": "assistant", "content": content}}
         return StepResponse.model_validate(self._call("POST", f"{base}/v1/episodes/{episode_id}/step", body))
 
+    @classmethod
+    def of(cls, s: Any) -> EnvClient:
+        """The client a replica's settings describe (env_url, env_token, env_timeout_s, env_retries)."""
+        token = s.env_token.get_secret_value() if s.env_token else None
+        return cls(s.env_url, token=token, timeout_s=s.env_timeout_s, retries=s.env_retries)
+
     def close(self, base: str, episode_id: str) -> None:
         """Best effort: an episode not closed expires on the service."""
         try:

@@ -130,8 +130,7 @@ class EpisodeRunner:
         turns; `priority`: their label in a continuous engine's book-keeping (the evaluation's share)."""
         self.s, self.m, self.tok, self.hold_outages = s, metrics, tokenizer, hold_outages
         self.prefix, self.priority = prefix, priority
-        token = s.env_token.get_secret_value() if s.env_token else None
-        self.client = client or EnvClient(s.env_url, token=token, timeout_s=s.env_timeout_s, retries=s.env_retries)
+        self.client = client or EnvClient.of(s)
         self.render = Renderer(tokenizer, s.chat_template)
         self._render_checked = False  # checked at the first environment task (one-step episodes never need it)
         self._render_problem: str | None = None

@@ -20,7 +20,7 @@ from rollout.chunked_loop import ChunkedLoop
 from rollout.continuous_loop import ContinuousLoop
 from rollout.engines import load_engine
 from rollout.env_client import EnvClient
-from rollout.gateway.app import create_gateway_app, serve_gateway
+from rollout.gateway.app import create_gateway_app
 from rollout.gateway.core import Gateway
 from rollout.gateway.metrics import GatewayMetrics
 from rollout.metrics import RolloutMetrics
@@ -31,6 +31,7 @@ from rollout.weight_receiver import WeightReceiver
 from services.dtype import resolve_dtype
 from services.placement import place
 from services.service_process import ServiceProcess
+from services.web import serve_in_thread
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,7 @@ def build(
         )
         gateway = None
         if s.gateway_port is not None:
-            token = s.env_token.get_secret_value() if s.env_token else None
-            envs = EnvClient(s.env_url, token=token, timeout_s=s.env_timeout_s, retries=s.env_retries)
-            gateway = Gateway(s, engine.tokenizer, GatewayMetrics(metrics.registry), envs)
+            gateway = Gateway(s, engine.tokenizer, GatewayMetrics(metrics.registry), EnvClient.of(s))
         return replica, ContinuousLoop(replica, engine, gateway)
     if s.gateway_port is not None:
         raise ValueError("--gateway-port: the gateway is served by the vllm engine's continuous batching")
@@ -127,7 +126,7 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
             if gateway is not None:
                 assert s.gateway_port is not None
                 app = create_gateway_app(gateway, reward_client(s))
-                servers.append(serve_gateway(app, s.host, s.gateway_port))
+                servers.append(serve_in_thread(app, s, port=s.gateway_port))
             log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, member.engine.version)
             while not stop.is_set() and (s.max_prompts is None or replica.publisher.done < s.max_prompts):
                 loop.step()

@@ -152,19 +152,19 @@ def _add_docs(app: FastAPI) -> None:
         return get_redoc_html(openapi_url="/openapi.json", title=app.title)
 
 
-def serve_in_thread(app: FastAPI, settings: ServiceSettings) -> Any:
-    """Serve from a daemon thread (for processes whose main thread does the work, like the learner).
+def serve_in_thread(app: FastAPI, settings: ServiceSettings, port: int | None = None) -> Any:
+    """Serve from a daemon thread (for processes whose main thread does the work, like the learner), on the
+    settings' address (`port`: another port of the same host, e.g. a replica's gateway).
     Returns the uvicorn Server: set `.should_exit = True` to stop it."""
     import threading
 
     import uvicorn
 
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None, access_log=False, timeout_keep_alive=5
-    )
+    port = settings.port if port is None else port
+    config = uvicorn.Config(app, host=settings.host, port=port, log_config=None, access_log=False, timeout_keep_alive=5)
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, name="http", daemon=True).start()
-    log.info("listening on http://%s:%d", settings.host, settings.port)
+    log.info("listening on http://%s:%d", settings.host, port)
     return server
 
 

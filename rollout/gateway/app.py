@@ -16,7 +16,6 @@ session while one is in flight, 429 with Retry-After when no task is handed out 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any
 
@@ -38,7 +37,6 @@ from rollout.settings import RolloutSettings
 from services.schemas import PromptTask, Score
 from services.web import BodySizeLimit
 
-log = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -276,16 +274,3 @@ async def env_score(gw: Gateway, sess: Session, answer: Completion) -> Score:
     await run_in_threadpool(gw.envs.close, base, episode)
     reward = float(out.reward) if out.done and out.reward is not None else -1.0
     return Score(reward=reward, acc=reward > 0)
-
-
-def serve_gateway(app: FastAPI, host: str, port: int) -> Any:
-    """Serve the gateway from a daemon thread; returns the uvicorn Server (`.should_exit = True` stops it)."""
-    import threading
-
-    import uvicorn
-
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, timeout_keep_alive=5)
-    server = uvicorn.Server(config)
-    threading.Thread(target=server.run, name="gateway", daemon=True).start()
-    log.info("gateway (OpenAI-compatible) on http://%s:%d/v1", host, port)
-    return server
