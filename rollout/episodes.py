@@ -55,7 +55,7 @@ class Renderer:
         """The opening messages and the generation prompt, as the model will read them."""
         if not self.template:
             return encode_prompt(self.tok, "\n\n".join(m.content for m in messages), chat_template=False)
-        return self._encode(self._apply([_plain(m) for m in messages], generation=True))
+        return self._encode(self._apply([template_dict(m) for m in messages], generation=True))
 
     def continuation(self, model_ids: list[int], finish: str, messages: list[ChatMessage]) -> list[int]:
         """The tokens after a model turn: the rest of its closing, the new messages, the next generation prompt."""
@@ -63,7 +63,7 @@ class Renderer:
             return self._encode("".join(f"\n\n{m.content}" for m in messages) + "\n\n")
         probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE}]
         before = self._apply(probe, generation=False)
-        after = self._apply(probe + [_plain(m) for m in messages], generation=True)
+        after = self._apply(probe + [template_dict(m) for m in messages], generation=True)
         if not after.startswith(before):
             raise ValueError("the chat template renders earlier turns differently once more follow: it cannot be "
                              "continued token-exactly")  # fmt: skip
@@ -74,7 +74,8 @@ class Renderer:
         return self._encode(closing + after[len(before) :])
 
 
-def _plain(m: ChatMessage) -> dict[str, Any]:
+def template_dict(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it."""
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.name is not None:
         out["name"] = m.name

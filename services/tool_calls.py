@@ -62,6 +62,11 @@ def parse_calls(text: str, prefix: str = "call") -> ParsedCalls:
     return out
 
 
+def without_calls(text: str) -> str:
+    """The text around its <tool_call> blocks (an unclosed one runs to the end, as `parse_calls` reads it)."""
+    return _BLOCK.sub("", text).strip()
+
+
 def parse_tag_calls(text: str, tools: dict[str, str], prefix: str = "call") -> ParsedCalls:
     """The `tags` format, for tools of one string argument: `<calculator>12 * 34</calculator>` calls `calculator`
     with that text as its argument (`tools`: name -> the argument's name). Simpler for a small model than JSON, as

@@ -21,16 +21,16 @@ retries).
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollout.engines.base import Completion
-from rollout.episodes import Episode, Renderer
+from rollout.episodes import Episode, Renderer, template_dict
 from rollout.gateway.schemas import ChatIn, ChatRequest, CompletionRequest
 from services.episodes import ChatMessage, ToolSpec
-from services.schemas import Turn
-from services.tool_calls import instructions, parse_calls, render_call
+from services.tool_calls import instructions, parse_calls, render_call, without_calls
 
 ENV = "gateway"  # EpisodeInfo.env of a session's episode
 State = Literal["open", "ended", "abandoned"]
@@ -125,19 +125,15 @@ class ChatRenderer:
         return self.base.continuation(model.token_ids, model.finish_reason, [plain(m) for m in messages])
 
     def _dict(self, m: ChatIn) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        if m.tool_calls and self.native_tools:
-            out["tool_calls"] = [
-                {"type": "function", "id": c.id, "function": {"name": c.function.name, "arguments": _args(c)}}
-                for c in m.tool_calls
-            ]
-        elif m.tool_calls:  # written back as the model writes calls
-            calls = "\n".join(render_call(c.function.name, _args(c)) for c in m.tool_calls)
-            out["content"] = f"{out['content']}\n{calls}" if out["content"] else calls
-        for k in ("name", "tool_call_id"):
-            if getattr(m, k) is not None:
-                out[k] = getattr(m, k)
-        return out
+        """A message for the template: tool calls as the template renders them, or written as the model writes
+        them when it has no tools of its own."""
+        if not (m.tool_calls and self.native_tools):
+            return template_dict(plain(m))
+        calls = [
+            {"type": "function", "id": c.id, "function": {"name": c.function.name, "arguments": _args(c)}}
+            for c in m.tool_calls
+        ]
+        return {**template_dict(plain(m)), "content": m.text(), "tool_calls": calls}
 
 
 def plain(m: ChatIn) -> ChatMessage:
@@ -150,10 +146,15 @@ def plain(m: ChatIn) -> ChatMessage:
 
 
 def _args(call: Any) -> Any:
+    """A call's arguments as an object, or as the text they are when that is not JSON."""
+    return _loads(call.function.arguments)
+
+
+def _loads(text: str) -> Any:
     try:
-        return json.loads(call.function.arguments)
+        return json.loads(text)
     except (json.JSONDecodeError, RecursionError):
-        return call.function.arguments
+        return text
 
 
 def assistant_message(c: Completion, tools: bool, call_id: str) -> tuple[dict[str, Any], str]:
@@ -165,9 +166,7 @@ def assistant_message(c: Completion, tools: bool, call_id: str) -> tuple[dict[st
     parsed = parse_calls(c.text, prefix=call_id)
     if not parsed.calls:
         return {"role": "assistant", "content": c.text}, finish
-    import re
-
-    content = re.sub(r"<tool_call>.*?(</tool_call>|$)", "", c.text, flags=re.DOTALL).strip() or None
+    content = without_calls(c.text) or None
     calls = [call.model_dump() for call in parsed.calls]
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
@@ -184,10 +183,8 @@ def _same_answer(m: ChatIn, returned: dict[str, Any] | None) -> bool:
 
 
 def _norm(arguments: str) -> str:
-    try:
-        return json.dumps(json.loads(arguments), sort_keys=True)
-    except (json.JSONDecodeError, RecursionError):
-        return arguments
+    """Arguments compared as the objects they are (key order and spacing aside)."""
+    return json.dumps(_loads(arguments), sort_keys=True)
 
 
 class Session:
@@ -325,7 +322,7 @@ class Session:
             raise CallRefused("this session made no call: there is nothing to train on")
         if choice >= len(seg.last.choices):
             raise CallRefused(f"choice {choice}: the last call has {len(seg.last.choices)} choices")
-        ep = _copy(seg.episode)
+        ep = copy.deepcopy(seg.episode)  # the segment stays as it was: the final answer joins the copy
         answer = seg.last.choices[choice]
         ep.add_model(answer.c, answer.version)
         ep.reward = reward
@@ -339,18 +336,6 @@ class Session:
         if seg is None or seg.last is None or choice >= len(seg.last.choices):
             raise CallRefused("no such answer to score: the session's last call has no such choice")
         return seg.last.choices[choice].c
-
-
-def _copy(ep: Episode) -> Episode:
-    return Episode(
-        env=ep.env,
-        opening=list(ep.opening),
-        ids=list(ep.ids),
-        logprobs=list(ep.logprobs),
-        versions=list(ep.versions),
-        turns=[Turn(role=t.role, tokens=t.tokens) for t in ep.turns],
-        model_turns=ep.model_turns,
-    )
 
 
 def rebase(ep: Episode, n: int) -> Episode:
