@@ -60,9 +60,8 @@ def enter(gw: Gateway, caller: Caller, req: ChatRequest | CompletionRequest, max
     with gw.lock:
         try:
             if isinstance(req, ChatRequest):
-                tools = req.tools if req.tool_choice != "none" else None
                 plan = sess.plan_chat(req, max_tokens) if sess else None
-                prompt = plan.prompt if plan else gw.render.full(req.messages, tools)
+                prompt = plan.prompt if plan else gw.render.full(req.messages, req.offered_tools())
             else:
                 plan = sess.plan_completion(req, max_tokens, lambda t, sp: encode(gw, t, sp)) if sess else None
                 prompt = (
@@ -99,15 +98,23 @@ def encode(gw: Gateway, text: str, special: bool) -> list[int]:
     return list(gw.tok(text, add_special_tokens=special).input_ids)
 
 
+def timed_out() -> ApiError:
+    return ApiError(503, "the call ran past its time limit", "server_error", retry_after=5)
+
+
+def refused(e: RequestRefused) -> ApiError:
+    return ApiError(400, f"the engine refused the prompt: {e}", code="context_length_exceeded")
+
+
 async def outcome(gw: Gateway, p: Pending) -> list[Completion]:
     try:
         got = await asyncio.wait_for(asyncio.shield(p.waiter.future), CALL_TIMEOUT_S)
     except TimeoutError:
         give_up(gw, p)
-        raise ApiError(503, "the call ran past its time limit", "server_error", retry_after=5) from None
+        raise timed_out() from None
     if isinstance(got, RequestRefused):
         give_up(gw, p)
-        raise ApiError(400, f"the engine refused the prompt: {got}", code="context_length_exceeded")
+        raise refused(got)
     return list(got)
 
 
@@ -158,7 +165,7 @@ async def chat(request: Request, req: ChatRequest, caller: Auth) -> Any:
     gw: Gateway = request.app.state.gw
     t0 = time.perf_counter()
     max_tokens = check(gw, req)
-    tools = bool(req.tools) and req.tool_choice != "none"
+    tools = req.offered_tools() is not None
     p = enter(gw, caller, req, max_tokens, req.stream)
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     head = {"id": rid, "created": created, "model": gw.s.gateway_model}
@@ -196,9 +203,9 @@ async def events(p: Pending) -> AsyncIterator[Delta | list[Completion]]:
         try:
             item = await asyncio.wait_for(p.waiter.queue.get(), CALL_TIMEOUT_S)
         except TimeoutError:
-            raise ApiError(503, "the call ran past its time limit", "server_error") from None
+            raise timed_out() from None
         if isinstance(item, RequestRefused):
-            raise ApiError(400, f"the engine refused the prompt: {item}", code="context_length_exceeded")
+            raise refused(item)
         yield item
         if not isinstance(item, Delta):
             return

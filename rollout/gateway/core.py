@@ -1,13 +1,13 @@
 """The gateway's state between its HTTP handlers (uvicorn's thread) and the replica's loop (the engine's thread).
 
-    gw = Gateway(settings, tokenizer, GatewayMetrics(registry), reward)
+    gw = Gateway(settings, tokenizer, GatewayMetrics(registry), EnvClient.of(settings))
     # handlers (rollout/gateway/app.py), any thread, each under gw.lock:
     seat = gw.seat(waiter)                   # a session for the next task the mesh hands out (or a waiter)
     gw.submit(call)                          # a model call, to the engine at the loop's next step
     gw.cancel(key)                           # a client gone: its sequences leave the engine
     # the loop (rollout/continuous_loop.py), each step:
     gw.advance(engine, consumer)             # tasks read for waiting sessions, calls submitted, idle sessions expired
-    gw.finished(key, completions, version)   # a call's answer back to its handler
+    gw.finished(key, completions)            # a call's answer back to its handler
     gw.stream(engine.take_deltas())          # streamed tokens to theirs
     gw.publish(consumer)                     # ended sessions' groups published, their prompt acknowledged
 
@@ -203,8 +203,14 @@ class Gateway:
         if g is not None and session in g.sessions:
             g.sessions.remove(session)
             g.seats += 1
-        if self.sessions.pop(session.sid, None) is not None and session.state == "open":
+        self.sessions.pop(session.sid, None)
+        self._abandon(session)
+
+    def _abandon(self, session: Session) -> None:
+        """An open session over without an end (idle, never begun, its task refused): out of the open gauge."""
+        if session.state == "open":
             self.m.open.dec()
+            self.m.sessions.labels("abandoned").inc()
         session.state = "abandoned"
 
     def refuse_task(self, task_id: str, kind: str, why: str) -> None:
@@ -213,9 +219,8 @@ class Gateway:
         if g is None:
             return
         for sess in g.sessions:
-            if self.sessions.pop(sess.sid, None) is not None and sess.state == "open":
-                self.m.open.dec()
-            sess.state = "abandoned"
+            self.sessions.pop(sess.sid, None)
+            self._abandon(sess)
         self.dead.append((g, kind, why))
 
     def messages_of(self, task: PromptTask) -> list[dict[str, str]]:
@@ -249,10 +254,6 @@ class Gateway:
         return g.task if g is not None else None
 
     # ------------------------------------------------------------------ the loop's side
-
-    def pending(self) -> bool:
-        """Work for the loop: calls to submit or cancel, or sessions waiting for a task."""
-        return bool(self.inbox or self.cancels or self.seat_waiters)
 
     def idle_wait(self, timeout_s: float) -> None:
         """Nothing in the engine: wait for a handler to leave work (not a busy loop)."""
@@ -332,9 +333,7 @@ class Gateway:
         self._next_expiry = now + EXPIRY_EVERY_S
         for s in self.sessions.values():
             if s.state == "open" and not s.busy and now - s.last_seen > self.s.gateway_idle_s:
-                s.state = "abandoned"
-                self.m.open.dec()
-                self.m.sessions.labels("abandoned").inc()
+                self._abandon(s)
                 log.info("gateway session %s abandoned (idle %.0f s)", s.sid, now - s.last_seen)
         for key, g in list(self.groups.items()):
             if not g.seats or now - g.seated_at <= self.s.gateway_idle_s:
@@ -394,7 +393,7 @@ class Gateway:
         if len(ended) < min(2, g.task.n_samples):
             return None
         eps = [s.episode for s in ended if s.episode is not None]
-        n = min(common_prefix([e.opening for e in eps]), *(len(e.opening) for e in eps))
+        n = common_prefix([e.opening for e in eps])  # within the shortest opening
         if n == 0:
             return None  # no token in common: there is no prompt the learner could give them all
         eps = [rebase(e, n) for e in eps]

@@ -103,6 +103,10 @@ class ChatRequest(Sampling):
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def offered_tools(self) -> list[ToolSpec] | None:
+        """The tools the model is offered: none when `tool_choice` is "none"."""
+        return self.tools if self.tools and self.tool_choice != "none" else None
+
 
 class CompletionRequest(Sampling):
     prompt: str | list[int] = Field(description="Text, or token ids (one prompt).")

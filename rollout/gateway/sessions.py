@@ -247,7 +247,7 @@ class Session:
                         plan = Plan(call, seg, False, choice, rest)
                         break
         if plan is None:
-            prompt = self.render.full(req.messages, req.tools if req.tool_choice != "none" else None)
+            prompt = self.render.full(req.messages, req.offered_tools())
             if seg is None:
                 why = "start"
             elif not why:
