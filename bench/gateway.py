@@ -12,8 +12,6 @@ latency of a call (p50, p99) both ways: what the gateway adds per call.
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -98,7 +96,7 @@ def agent(base: str, a: int, lat: list[float], tokens: list[int]) -> None:
 
 
 def through_gateway(model: Path, tmp: Path) -> dict[str, Any]:
-    from services.child_process import ROOT, child_env, wait_ready
+    from services.child_process import running
     from services.redis_server import EmbeddedRedis, free_port
     from services.schemas import PromptTask
     from services.streams import STREAM_PROMPTS, StreamProducer, connect
@@ -128,32 +126,13 @@ def through_gateway(model: Path, tmp: Path) -> dict[str, Any]:
             for i in range(2 * CONF["agents"] * CONF["rounds"])
         ]
         StreamProducer(connect(server.url), STREAM_PROMPTS).publish_many(tasks)
-        port, gport = free_port(), free_port()
-        args = [
-            "--engine",
-            "vllm",
-            "--model-dir",
-            str(model),
-            "--redis-url",
-            server.url,
-            "--port",
-            str(port),
-            "--gateway-port",
-            str(gport),
-            "--gateway-only",
-            "--gateway-max-tokens",
-            str(CONF["tokens"]),
-        ]
-        with (tmp / "rollout.log").open("wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(), cwd=ROOT, stderr=log)
-            try:
-                wait_ready(proc, f"http://127.0.0.1:{port}/readyz", name="rollout", timeout_s=600)
-                base = f"http://127.0.0.1:{gport}"
-                run(base)  # warm-up: the engine's first batches of each size
-                rate, lat = run(base)
-            finally:
-                proc.terminate()
-                proc.wait(60)
+        gport = free_port()
+        args = ["--engine", "vllm", "--model-dir", str(model), "--redis-url", server.url, "--gateway-port", str(gport),
+                "--gateway-only", "--gateway-max-tokens", str(CONF["tokens"])]  # fmt: skip
+        with running("rollout", *args, ready_path="/readyz", timeout_s=600, log=tmp / "rollout.log"):
+            base = f"http://127.0.0.1:{gport}"
+            run(base)  # warm-up: the engine's first batches of each size
+            rate, lat = run(base)
     return {"rate": rate, "lat": lat}
 
 

@@ -149,29 +149,22 @@ def test_gateway_survives_2000_generated_requests(tmp_path: Path, model_dir: Pat
     """The OpenAI-compatible gateway on a vLLM replica (tiny model): generated chat completions, completions and
     session calls, valid and not, sent with the mesh token (calls not captured) or without a task to hand out.
     Whatever they send: no 5xx, the replica still serves after."""
-    from services.child_process import wait_ready
     from services.redis_server import free_port
 
     with EmbeddedRedis(tmp_path / "redis") as server:
-        port, gport = free_port(), free_port()
+        gport = free_port()
         args = ["--engine", "vllm", "--model-dir", str(model_dir), "--redis-url", server.url, "--reward-url",
-                reward_url, "--port", str(port), "--gateway-port", str(gport), "--gateway-only", "--auth-token",
+                reward_url, "--gateway-port", str(gport), "--gateway-only", "--auth-token",
                 TOKEN, "--gateway-max-tokens", "4", "--gateway-max-n", "2", "--gateway-open-wait-s", "0.05",
                 "--gateway-max-context", "256"]  # fmt: skip
-        with (tmp_path / "rollout.log").open("wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(OMP_NUM_THREADS="1"),
-                                    cwd=ROOT, stderr=log)  # fmt: skip
-            try:
-                wait_ready(proc, f"http://127.0.0.1:{port}/readyz", name="rollout", headers=HEADERS, timeout_s=300)
-                base = f"http://127.0.0.1:{gport}"
-                stats = fuzz(base, GATEWAY_BUDGET, prepare=served_model)
-                assert proc.poll() is None
-                r = httpx.post(f"{base}/v1/chat/completions", headers=HEADERS, timeout=30,
-                               json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
-                assert r.status_code == 200, r.text  # still generating
-            finally:
-                proc.terminate()
-                proc.wait(60)
+        with running("rollout", *args, env={"OMP_NUM_THREADS": "1"}, ready_path="/readyz", token=TOKEN,
+                     timeout_s=300, log=tmp_path / "rollout.log") as (_, proc):  # fmt: skip
+            base = f"http://127.0.0.1:{gport}"
+            stats = fuzz(base, GATEWAY_BUDGET, prepare=served_model)
+            assert proc.poll() is None
+            r = httpx.post(f"{base}/v1/chat/completions", headers=HEADERS, timeout=30,
+                           json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+            assert r.status_code == 200, r.text  # still generating
     print(f"gateway fuzz: {dict(stats)}")
     assert stats["cases"] >= 2_000 and stats["5xx"] == 0
     assert stats["2xx"] > 200 and stats["4xx"] > 500

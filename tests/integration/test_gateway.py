@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import redis
 from learner.batching import to_tensors
 from learner.tiny import tiny_tokenizer
 from rollout.episodes import Renderer
-from services.child_process import ROOT, child_env, running, wait_ready
+from services.child_process import running
 from services.episodes import ChatMessage
 from services.redis_server import EmbeddedRedis, free_port
 from services.schemas import PromptTask, ScoredGroup, TrainBatch
@@ -52,19 +51,16 @@ def mesh(model_dir: Path, reward_url: str, tmp_path_factory: pytest.TempPathFact
             _,
         ),
     ):
-        port, gport = free_port(), free_port()
+        gport = free_port()
         args = ["--engine", "vllm", "--model-dir", str(model_dir), "--redis-url", server.url, "--reward-url",
-                reward_url, "--port", str(port), "--replica-id", "gw", "--gateway-port", str(gport),
+                reward_url, "--replica-id", "gw", "--gateway-port", str(gport),
                 "--gateway-only", "--gateway-idle-s", str(IDLE_S), "--gateway-max-n", "4",
                 "--gateway-max-tokens", "1024", "--max-response-tokens", "24", "--auth-token", TOKEN,
                 "--env-url", env_url]  # fmt: skip
-        proc = subprocess.Popen([sys.executable, "-m", "rollout", *args], env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT)
-        try:
-            wait_ready(proc, f"http://127.0.0.1:{port}/readyz", name="rollout", headers=MESH, timeout_s=300)
-            yield Mesh(f"http://127.0.0.1:{gport}", f"http://127.0.0.1:{port}", env_url, connect(server.url), proc)
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        replica = running("rollout", *args, env={"OMP_NUM_THREADS": "1"}, ready_path="/readyz", token=TOKEN,
+                          timeout_s=300)  # fmt: skip
+        with replica as (ops, proc):
+            yield Mesh(f"http://127.0.0.1:{gport}", ops, env_url, connect(server.url), proc)
 
 
 def task(i: int, g: int = 2, prompt: str = "Add 2 and 3.") -> PromptTask:
