@@ -1,7 +1,8 @@
-"""docs/results/curriculum/curriculum.png: held-out avg@4 by version, and the cumulative share of groups dynamic
-sampling dropped, by learner step, for the DAPO preset on 100 prompts under `uniform`, the curriculum and the
-curriculum with GRESO's decaying exploration; and docs/results/curriculum/hard.png: the hard-start preset's held-out
-avg@4 per task.  Run from the repository root:
+"""docs/results/curriculum/curriculum.png: held-out avg@4 by version (each seed, and the mean over seeds), and the
+cumulative share of groups dynamic sampling dropped, by learner step, for the DAPO preset on 100 prompts under
+`uniform`, the curriculum and the curriculum with GRESO's decaying exploration; docs/results/curriculum/hard.png: the
+hard-start preset's held-out avg@4 per task under the curriculum and under `uniform`. It also prints each run's row of
+the seed table (docs/results/curriculum.md).  Run from the repository root:
 
     .venv/bin/python docs/results/curriculum/figure.py
 """
@@ -9,6 +10,7 @@ avg@4 per task.  Run from the repository root:
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +20,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path("docs/results/curriculum")
-RUNS = {
-    "uniform": "uniform-seed1",
-    "curriculum (default)": "curriculum-seed1",
-    "curriculum, streak decay": "curriculum-streak-seed1",
-}
+POLICIES = {"uniform": "uniform", "curriculum (default)": "curriculum", "curriculum, streak decay": "curriculum-streak"}
+SEEDS = (1, 2, 3)
+HARD = {"curriculum": "hard", "uniform": "hard-uniform"}
 
 
 def rows(name: str) -> list[dict[str, Any]]:
@@ -30,47 +30,103 @@ def rows(name: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
+def evals(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted((r for r in rs if r.get("kind") == "eval"), key=lambda r: r["policy_version"])
+
+
+def steps(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rs if r.get("kind") != "eval" and "groups_received" in r]
+
+
+def waste(rs: list[dict[str, Any]], since: dict[str, Any] | None = None) -> tuple[float, float]:
+    """(share of scored groups dropped, groups received per group kept), from `since` (a step's row) to the end."""
+    last = steps(rs)[-1]
+    got = last["groups_received"] - (since["groups_received"] if since else 0)
+    kept = last["groups_kept"] - (since["groups_kept"] if since else 0)
+    return 1 - kept / got, got / kept
+
+
+def to_plus(rs: list[dict[str, Any]], points: float = 0.30) -> str:
+    """Minutes from the version-0 evaluation to the first one `points` above it (and its version)."""
+    ev = evals(rs)
+    hit = next((r for r in ev if r["eval_acc"] >= ev[0]["eval_acc"] + points - 1e-9), None)
+    return f"{(hit['eval_at'] - ev[0]['eval_at']) / 60:.1f} min (v{hit['policy_version']})" if hit else "not reached"
+
+
+def table() -> None:
+    """The seed table: per run, the share of groups dropped and groups received per group kept (whole run, after
+    the 1st pass, steps 37-45), held-out avg@4 at v0, v18, v45, the best, wall time v0 -> v45, to +30 points; per
+    policy, the mean ± standard deviation over its seeds."""
+    for policy in POLICIES.values():
+        runs = [(seed, rs) for seed in SEEDS if (rs := rows(f"{policy}-seed{seed}"))]
+        cols: list[list[float]] = []
+        for seed, rs in runs:
+            ev = {r["policy_version"]: r for r in evals(rs)}
+            later = next((r for r in steps(rs) if r.get("epoch", 0) >= 1), None)
+            (dw, gw), (da, ga), (dl, gl) = waste(rs), waste(rs, later), waste(rs, steps(rs)[35])
+            wall = (ev[45]["eval_at"] - ev[0]["eval_at"]) / 60 if 45 in ev else float("nan")
+            best = max(r["eval_acc"] for r in ev.values())
+            cols.append([dw, da, dl, gw, ga, gl, ev[45]["eval_acc"], best])
+            acc = " → ".join(f"{ev[v]['eval_acc']:.3f}" for v in (0, 18, 45) if v in ev)
+            print(f"| {policy} | {seed} | {dw:.0%} / {da:.0%} / {dl:.0%} | {gw:.2f} / {ga:.2f} / {gl:.2f} | {acc} | "
+                  f"{best:.3f} | {wall:.1f} min | {to_plus(rs)} |")  # fmt: skip
+        if len(cols) > 1:
+            m = [statistics.fmean(c) for c in zip(*cols, strict=True)]
+            sd = [statistics.stdev(c) for c in zip(*cols, strict=True)]
+            print(f"| **{policy}** | mean ± std of {len(cols)} | {m[0]:.0%} ± {sd[0]:.0%} / {m[1]:.0%} ± {sd[1]:.0%} / "
+                  f"{m[2]:.0%} ± {sd[2]:.0%} | {m[3]:.2f} / {m[4]:.2f} / {m[5]:.2f} | final {m[6]:.3f} ± {sd[6]:.3f} "
+                  f"| {m[7]:.3f} ± {sd[7]:.3f} | | |")  # fmt: skip
+
+
 def dapo() -> None:
-    fig, (acc, waste) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    for label, name in RUNS.items():
-        rs = rows(name)
-        ev = sorted((r["policy_version"], r["eval_acc"]) for r in rs if r.get("kind") == "eval")
-        acc.plot(*zip(*ev, strict=True), marker="o", label=label)
-        tr = [(r["step"], r["filtered_frac"]) for r in rs if r.get("kind") != "eval" and "filtered_frac" in r]
-        waste.plot(*zip(*tr, strict=True), label=label)
-    acc.set_title("held-out avg@4 (DAPO preset, 100 training prompts, seed 1)")
+    fig, (acc, drop) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    for i, (label, policy) in enumerate(POLICIES.items()):
+        color = f"C{i}"
+        runs = [rs for seed in SEEDS if (rs := rows(f"{policy}-seed{seed}"))]
+        curves = [[(r["policy_version"], r["eval_acc"]) for r in evals(rs)] for rs in runs]
+        for c in curves:
+            acc.plot(*zip(*c, strict=True), color=color, alpha=0.3, lw=1)
+        common = sorted(set.intersection(*({v for v, _ in c} for c in curves)))
+        mean = [sum(dict(c)[v] for c in curves) / len(curves) for v in common]
+        acc.plot(common, mean, color=color, marker="o", label=f"{label} (mean of {len(runs)})")
+        for j, rs in enumerate(runs):
+            tr = [(r["step"], r["filtered_frac"]) for r in steps(rs) if "filtered_frac" in r]
+            drop.plot(*zip(*tr, strict=True), color=color, alpha=0.7, label=label if j == 0 else None)
+    acc.set_title("held-out avg@4 (DAPO preset, 100 training prompts; thin: each seed)")
     acc.set_xlabel("policy version")
-    waste.set_title("groups dropped by dynamic sampling (cumulative share)")
-    waste.set_xlabel("learner step")
-    for ax in (acc, waste):
+    drop.set_title("groups dropped by dynamic sampling (cumulative share, each seed)")
+    drop.set_xlabel("learner step")
+    for ax in (acc, drop):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.savefig(HERE / "curriculum.png", dpi=90)
 
 
 def hard() -> None:
-    rs = rows("hard")
-    if not rs:
-        return
-    fig, (acc, waste) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    ev = sorted((r for r in rs if r.get("kind") == "eval"), key=lambda r: r["policy_version"])
-    for key in sorted({k for r in ev for k in r if k.startswith("eval_acc/")}):
-        pts = [(r["policy_version"], r[key]) for r in ev if key in r]
-        acc.plot(*zip(*pts, strict=True), marker="o", label=key.split("/", 2)[-1])
-    tr = [r for r in rs if r.get("kind") != "eval"]
-    for key in sorted({k for r in tr for k in r if k.startswith("filtered_frac/")}):
-        pts = [(r["step"], r[key]) for r in tr if key in r]
-        waste.plot(*zip(*pts, strict=True), label=key.split("/", 2)[-1])
+    fig, (acc, drop) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    for style, (policy, name) in zip(("-", "--"), HARD.items(), strict=True):
+        rs = rows(name)
+        if not rs:
+            continue
+        ev, tr = evals(rs), steps(rs)
+        for i, key in enumerate(sorted({k for r in ev for k in r if k.startswith("eval_acc/")})):
+            pts = [(r["policy_version"], r[key]) for r in ev if key in r]
+            label = f"{key.split('/', 2)[-1]}, {policy}"
+            acc.plot(*zip(*pts, strict=True), style, color=f"C{i}", marker="o", label=label)
+        for i, key in enumerate(sorted({k for r in tr for k in r if k.startswith("filtered_frac/")})):
+            pts = [(r["step"], r[key]) for r in tr if key in r]
+            drop.plot(*zip(*pts, strict=True), style, color=f"C{i}", label=f"{key.split('/', 2)[-1]}, {policy}")
     acc.set_title("hard-start preset: held-out avg@4 per task")
     acc.set_xlabel("policy version")
-    waste.set_title("groups dropped by dynamic sampling, per task (cumulative)")
-    waste.set_xlabel("learner step")
-    for ax in (acc, waste):
+    drop.set_title("groups dropped by dynamic sampling, per task (cumulative)")
+    drop.set_xlabel("learner step")
+    for ax in (acc, drop):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.savefig(HERE / "hard.png", dpi=90)
 
 
 if __name__ == "__main__":
+    table()
     dapo()
     hard()
