@@ -54,11 +54,11 @@ def extract(run_dir: Path, name: str) -> Path:
                 correct[g.task.task_id] = (round(sum(s.acc for s in g.scores)), len(g.scores))
     finally:
         server.stop()
+    n = next(iter(correct.values()))[1] if correct else 8  # G: the presets' when no batch is left to say
     rows = []
     for task_id, what in outcome.items():
         prompt, _, slot = task_id.rpartition("#e")
         epoch, _, position = slot.partition("p")
-        n = next(iter(correct.values()))[1] if correct else 8
         c = {"all_correct": (n, n), "all_wrong": (0, n)}.get(what) or correct.get(task_id, (None, n))
         exact = c[0] is not None or what != "kept"
         if not exact:  # kept, its batch trimmed from the stream: its batch's mean, as a count a kept group can have
