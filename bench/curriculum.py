@@ -66,7 +66,7 @@ def run(redis_url: str | None = None, prompts: int = 100_000) -> list[Result]:
         states = PromptStates(client, decay=0.5)
         per_prompt, bare = _memory(client, prompts, states)
         groups = _groups(2000)
-        _, raw, _ = states.record(groups[0], zero_variance=False, version=0)
+        raw = states.record(groups[0], zero_variance=False, version=0).after
         payload = f'[{raw.correct},{raw.samples},{raw.groups},0,0,["0a1b2c3d","0a1b2c3d"]]'
 
         rounds = iter(range(10**6))

@@ -6,8 +6,8 @@ online difficulty filtering, arXiv 2504.03380). Each scored group updates its pr
 per prompt (`KEY_PROMPT_STATE`), in one server-side script:
 
     states = PromptStates(client, decay=0.5)
-    before, after, counted = states.record(group, zero_variance=True, version=12)   # counted: False for a
-                                                                                    # redelivered group (counted once)
+    before, after, counted, _ = states.record(group, zero_variance=True, version=12)  # counted: False for a
+                                                                                      # redelivered group
     q = zero_variance_probability(state, n_samples=8)     # P(the next group is filtered)
     dispatch with probability max(explore, (1 - q) * streak_decay ** state.streak)    # "curriculum"; "uniform": 1
 
@@ -19,8 +19,15 @@ U-shaped, as pass rates are (most prompts are solved or unsolved): one all-right
 8 group 0.40. The chance of dispatching is the chance the group is kept, 1 - q, and it decays further with each group
 in a row whose samples all agreed (GRESO's decaying exploration: the Beta-binomial alone, measured, under-predicts
 the filtered groups of a policy that is learning the prompts — 31% predicted for 54% observed). A prompt with no
-history is always dispatched (nothing predicts it), and every prompt still comes back with probability `explore`:
-a solved prompt can be forgotten, an unsolved one can become solvable.
+history is dispatched unless its class predicts otherwise (below), and every prompt still comes back with
+probability `explore`: a solved prompt can be forgotten, an unsolved one can become solvable.
+
+A prompt without history borrows a prediction from its class (`curriculum_shared`): its task, or its task and the
+item's difficulty attributes (reasoning-gym's metadata names them: chain_sum's `num_digits`, leg_counting's
+`num_animals`). Each class counts, decayed, how many of its prompts' first groups were dropped, in the same script
+that counts the group in its prompt's state. In the hard-start preset's first pass chain_sum's 2-digit prompts' first
+groups were dropped 76% of the time and its 1-digit ones' 31%, where the task as a whole says 52%
+(docs/results/curriculum.md). An unseen prompt is dispatched with the chance its class's first groups were kept.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import json
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import redis
 
@@ -39,15 +47,19 @@ from services.streams import redis_errors
 KEY_PROMPT_STATE = (
     "dapo:buffer:prompt-state"  # hash: prompt id -> JSON [correct, samples, groups, version, streak, tags]
 )
+KEY_CLASS_STATE = "dapo:buffer:class-state"  # hash: class -> JSON [dropped, groups], decayed, of first groups
+CLASS_MIN_GROUPS = 4.0  # a class predicts nothing before this many (decayed) first groups
 RECENT_TAGS = 8  # group ids (8 hex digits each) remembered per prompt: a redelivered group is not counted twice
 BANDS = ((0.0, "unsolved"), (0.05, "hard"), (0.35, "medium"), (0.65, "easy"), (0.95, "solved"))
 
-# KEYS[1] the hash; ARGV: prompt id, group tag, correct, samples, zero-variance (0/1), version, decay, tags kept.
-# Returns {the state before ('' if none), the state after, 1 if counted now / 0 if the tag was already counted}.
+# KEYS[1] the prompts' hash, KEYS[2] the classes'; ARGV: prompt id, group tag, correct, samples, zero-variance (0/1),
+# version, decay, tags kept, the prompt's class ('' none), the class decay. A prompt's first group also counts in its
+# class. Returns {the state before ('' if none), the state after, 1 if counted now / 0 if the tag was already
+# counted, its class's state before ('' if none, or not a first group)}.
 _RECORD_LUA = """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 local s = raw and cjson.decode(raw) or {0, 0, 0, 0, 0, {}}
-for _, t in ipairs(s[6]) do if t == ARGV[2] then return {raw, raw, 0} end end
+for _, t in ipairs(s[6]) do if t == ARGV[2] then return {raw, raw, 0, ''} end end
 local decay = tonumber(ARGV[7])
 s[1] = s[1] * decay + tonumber(ARGV[3])
 s[2] = s[2] * decay + tonumber(ARGV[4])
@@ -59,7 +71,16 @@ for i = 1, math.min(#s[6], tonumber(ARGV[8]) - 1) do tags[i + 1] = s[6][i] end
 s[6] = tags
 local new = cjson.encode(s)
 redis.call('HSET', KEYS[1], ARGV[1], new)
-return {raw or '', new, 1}
+local cls = ''
+if not raw and ARGV[9] ~= '' then
+  cls = redis.call('HGET', KEYS[2], ARGV[9]) or ''
+  local c = cls ~= '' and cjson.decode(cls) or {0, 0}
+  local cd = tonumber(ARGV[10])
+  c[1] = c[1] * cd + tonumber(ARGV[5])
+  c[2] = c[2] * cd + 1
+  redis.call('HSET', KEYS[2], ARGV[9], cjson.encode(c))
+end
+return {raw or '', new, 1, cls}
 """
 
 
@@ -79,6 +100,44 @@ class PromptState:
     def parse(cls, raw: bytes | str) -> PromptState:
         c, m, n, v, z, _ = json.loads(raw)
         return cls(float(c), float(m), int(n), int(v), int(z))
+
+
+@dataclass(frozen=True)
+class ClassState:
+    dropped: float  # decayed count of its prompts' first groups that dynamic sampling dropped
+    groups: float  # decayed count of its prompts' first groups
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> ClassState:
+        d, n = json.loads(raw)
+        return cls(float(d), float(n))
+
+    def predict(self) -> float | None:
+        """P(an unseen prompt of this class gives a dropped first group): the decayed share, with half a pseudo-group
+        of each outcome; None before CLASS_MIN_GROUPS first groups."""
+        return (self.dropped + 0.5) / (self.groups + 1.0) if self.groups >= CLASS_MIN_GROUPS else None
+
+
+def difficulty_class(data_source: str, ground_truth: str, shared: str) -> str | None:
+    """The class an unseen prompt borrows its prediction from: None ("none"), its task ("task"), or its task and the
+    values of the difficulty attributes its reasoning-gym metadata names ("difficulty"; the task alone for an item
+    without such metadata, e.g. a file row)."""
+    if shared == "none":
+        return None
+    meta: object = None
+    if shared == "difficulty":
+        try:
+            meta = json.loads(ground_truth).get("metadata")
+        except (ValueError, AttributeError):  # not JSON, or not an object: no metadata
+            meta = None
+    if not isinstance(meta, dict):
+        return data_source
+    levels = meta.get("difficulty")
+    if isinstance(levels, dict):
+        parts = [f"{k}={meta[k]}" for k in sorted(levels) if isinstance(meta.get(k), int | float | str)]
+    else:
+        parts = [f"difficulty={levels}"] if isinstance(levels, int | float | str) else []
+    return data_source + ("|" + ",".join(parts) if parts else "")
 
 
 def zero_variance_probability(
@@ -118,6 +177,13 @@ def band(state: PromptState | None) -> str:
     return name
 
 
+class Recorded(NamedTuple):
+    before: PromptState | None  # the prompt's state before the group (None: its first)
+    after: PromptState
+    counted: bool  # False: the group was counted before (a redelivery)
+    class_before: ClassState | None  # its class's state before a first group (None: no class, or not a first group)
+
+
 def group_tag(group_id: str) -> str:
     return hashlib.blake2b(group_id.encode(), digest_size=4).hexdigest()
 
@@ -125,21 +191,29 @@ def group_tag(group_id: str) -> str:
 class PromptStates:
     """The per-prompt state in Redis. Every update is one script run: two buffers never interleave on a prompt."""
 
-    def __init__(self, client: redis.Redis, *, decay: float = 0.5):
-        self.client, self.decay = client, decay
+    def __init__(self, client: redis.Redis, *, decay: float = 0.5, class_decay: float = 0.95):
+        self.client, self.decay, self.class_decay = client, decay, class_decay
         self._record = client.register_script(_RECORD_LUA)
 
-    def record(
-        self, group: ScoredGroup, *, zero_variance: bool, version: int
-    ) -> tuple[PromptState | None, PromptState, bool]:
+    def record(self, group: ScoredGroup, *, zero_variance: bool, version: int, klass: str | None = None) -> Recorded:
         """Count one scored group (its accuracy, whether its samples all agreed, the newest version that sampled
-        it): (the state before, after, counted now). A group already counted (redelivered after a restart, or read
-        by two buffers) changes nothing and says so (counted False)."""
+        it), and a prompt's first group in its class `klass` too. A group already counted (redelivered after a
+        restart, or read by two buffers) changes nothing and says so (counted False)."""
         correct = sum(s.acc for s in group.scores)
         args = [group.task.prompt_id, group_tag(group.group_id), correct, len(group.scores), int(zero_variance)]
+        args += [version, self.decay, RECENT_TAGS, klass or "", self.class_decay]
         with redis_errors(self.client):
-            old, new, counted = self._record(keys=[KEY_PROMPT_STATE], args=[*args, version, self.decay, RECENT_TAGS])
-        return (PromptState.parse(old) if old else None), PromptState.parse(new), bool(counted)
+            old, new, counted, cls = self._record(keys=[KEY_PROMPT_STATE, KEY_CLASS_STATE], args=args)
+        before = PromptState.parse(old) if old else None
+        return Recorded(before, PromptState.parse(new), bool(counted), ClassState.parse(cls) if cls else None)
+
+    def classes(self, names: Sequence[str]) -> list[ClassState | None]:
+        """The states of these classes (None: no first group counted yet)."""
+        if not names:
+            return []
+        with redis_errors(self.client):
+            raws = self.client.hmget(KEY_CLASS_STATE, list(names))
+        return [ClassState.parse(r) if r is not None else None for r in raws]
 
     def get(self, prompt_ids: Sequence[str]) -> list[PromptState | None]:
         if not prompt_ids:

@@ -73,17 +73,23 @@ class BufferMetrics:
         )
         self.predicted = Counter(
             "dapo_buffer_curriculum_predicted_filtered",
-            "Sum over received groups of a prompt with history of the predicted probability that its samples all "
-            "agree; beside dapo_buffer_curriculum_observed_filtered: the predictor's calibration.",
+            "Sum over received groups with a prediction of the predicted probability that their samples all agree, "
+            "by basis: prompt (its own history) or class (a first group, from its class's); beside "
+            "dapo_buffer_curriculum_observed_filtered: the predictor's calibration.",
+            ["basis"],
             registry=r,
         )
         self.observed = Counter(
             "dapo_buffer_curriculum_observed_filtered",
-            "Received groups of a prompt with history whose samples all agreed.",
+            "Received groups with a prediction whose samples all agreed, by basis (prompt, class).",
+            ["basis"],
             registry=r,
         )
         self.predicted_groups = Counter(
-            "dapo_buffer_curriculum_predicted_groups", "Received groups of a prompt with history.", registry=r
+            "dapo_buffer_curriculum_predicted_groups",
+            "Received groups with a prediction, by basis (prompt, class).",
+            ["basis"],
+            registry=r,
         )
         self.bands = Gauge(
             "dapo_buffer_prompts_by_band",

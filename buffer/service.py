@@ -28,10 +28,12 @@ import redis
 
 from buffer.curriculum import (
     BANDS,
+    ClassState,
     PromptState,
     PromptStates,
     band,
     decide,
+    difficulty_class,
     dispatch_probability,
     zero_variance_probability,
 )
@@ -101,7 +103,7 @@ class Buffer:
         self.status = "starting"
         self.last_batch_at = self.last_trim = time.monotonic()
         self.next_gauges = self.next_bands = 0.0
-        self.states = PromptStates(client, decay=settings.curriculum_decay)
+        self.states = PromptStates(client, decay=settings.curriculum_decay, class_decay=settings.curriculum_class_decay)
 
     # ------------------------------------------------------------------ the loop
 
@@ -215,18 +217,28 @@ class Buffer:
 
     def choose(self, slots: list[tuple[Item, int, int]]) -> list[bool]:
         """Which of these dispatch slots (item, epoch, position) go out: all of them with `uniform`; with
-        `curriculum`, each with its chance from its prompt's state (buffer/curriculum.py), seeded per slot."""
+        `curriculum`, each with its chance from its prompt's state, or its class's when it has none
+        (buffer/curriculum.py), seeded per slot."""
         if self.s.dispatch_policy == "uniform" or not slots:
             return [True] * len(slots)
-        states = self.states.get([item.prompt_id for item, _, _ in slots])
-        return [decide(self.chance(state), self.cursor.seed, epoch, position)
-                for (_, epoch, position), state in zip(slots, states, strict=True)]  # fmt: skip
+        items = [item for item, _, _ in slots]
+        states = self.states.get([it.prompt_id for it in items])
+        kinds = [
+            None if st else self.klass(it.data_source, it.ground_truth) for it, st in zip(items, states, strict=True)
+        ]
+        names = sorted({k for k in kinds if k})
+        classes = dict(zip(names, self.states.classes(names), strict=True))
+        return [decide(self.chance(st, classes.get(k) if k else None), self.cursor.seed, epoch, position)
+                for (_, epoch, position), st, k in zip(slots, states, kinds, strict=True)]  # fmt: skip
 
-    def chance(self, state: PromptState | None) -> float:
-        """The curriculum's chance of dispatching the prompt with this state."""
+    def klass(self, data_source: str, ground_truth: str) -> str | None:
+        return difficulty_class(data_source, ground_truth, self.s.curriculum_shared)
+
+    def chance(self, state: PromptState | None, cls: ClassState | None = None) -> float:
+        """The curriculum's chance of dispatching the prompt with this state (or, without one, of its class)."""
         s = self.s
         streak = state.streak if state is not None else 0
-        q = self.predict(state)
+        q = self.predict(state) if state is not None else (cls.predict() if cls is not None else None)
         return dispatch_probability(q, streak, explore=s.curriculum_explore, streak_decay=s.curriculum_streak_decay)
 
     def predict(self, state: PromptState | None) -> float | None:
@@ -281,16 +293,19 @@ class Buffer:
 
     def learn(self, g: ScoredGroup) -> None:
         """Count the group in its prompt's state (every received group, stale ones too: they tell how hard the
-        prompt is), and the prediction the state held before it against what came (once per group: a group
-        delivered again after a restart is neither counted again nor scored again)."""
+        prompt is) and a prompt's first group in its class's, and the prediction the state held before it against
+        what came (once per group: a group delivered again after a restart is neither counted nor scored again)."""
         correct = sum(s.acc for s in g.scores)
         agreed = correct in (0, len(g.scores))
-        before, _, counted = self.states.record(g, zero_variance=agreed, version=g.max_version)
-        q = self.predict(before)
-        if counted and q is not None:
-            self.m.predicted.inc(q)
-            self.m.predicted_groups.inc()
-            self.m.observed.inc(agreed)
+        klass = self.klass(g.task.data_source, g.task.ground_truth)
+        r = self.states.record(g, zero_variance=agreed, version=g.max_version, klass=klass)
+        basis, q = ("prompt", self.predict(r.before)) if r.before is not None else ("class", None)
+        if r.before is None and r.class_before is not None:
+            q = r.class_before.predict()
+        if r.counted and q is not None:
+            self.m.predicted.labels(basis).inc(q)
+            self.m.predicted_groups.labels(basis).inc()
+            self.m.observed.labels(basis).inc(agreed)
 
     def update_bands(self) -> None:
         """Prompts per difficulty band (HSCAN of the state, every BANDS_EVERY_S); "unseen": training prompts with

@@ -60,6 +60,15 @@ class BufferSettings(ServiceSettings, RedisSettings):
     curriculum_prior: float = Field(
         0.5, gt=0, description="Strength (in samples) of the Beta(0.5·s, 0.5·s) prior of a prompt's pass rate."
     )
+    curriculum_shared: Literal["none", "task", "difficulty"] = Field(
+        "none",
+        description="curriculum: what a prompt without history borrows its prediction from: nothing (always "
+        "dispatched), the drop rate of its task's first groups, or of its task-and-difficulty class's (the "
+        "difficulty attributes reasoning-gym's metadata names).",
+    )
+    curriculum_class_decay: float = Field(
+        0.95, ge=0, le=1, description="curriculum: weight of a class's older first groups, per newer one."
+    )
     continuous_rewards: bool = Field(False, description="Filter on reward std instead of accuracy.")
     reward_std_threshold: float = Field(0.0, ge=0, description="With continuous rewards: keep if std > this.")
     degenerate_cap: int | None = Field(

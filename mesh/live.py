@@ -194,7 +194,8 @@ def gateway_line(n: dict[str, float]) -> str | None:
 
 def curriculum_numbers(states: list[ServiceState]) -> dict[str, float]:
     """Per task: filtered fraction, groups kept, prompts skipped; the curriculum's predicted and observed filtered
-    fractions (groups of prompts with history) and its skip rate; prompts per difficulty band."""
+    fractions (groups with a prediction: from a prompt's history or its class's) and its skip rate; prompts per
+    difficulty band."""
     tasks = sorted({lab["task"] for st in states for lab, _ in st.metrics.get("dapo_buffer_task_groups_total", [])})
     out: dict[str, float] = {}
     for t in tasks:

@@ -14,7 +14,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from buffer.curriculum import KEY_PROMPT_STATE, PromptState
+from buffer.curriculum import KEY_CLASS_STATE, KEY_PROMPT_STATE, ClassState, PromptState
 from buffer.metrics import BufferMetrics
 from buffer.service import KEY_CURSOR, Buffer
 from buffer.settings import BufferSettings
@@ -242,9 +242,11 @@ def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
     url = server.url
 
     def start() -> subprocess.Popen[bytes]:
+        # class state kept (difficulty classes) with decay 1: its counts are plain sums, checkable
         args = ["--redis-url", url, "--port", str(free_port()), "--batch-size", "4", "--n-samples", "4",
                 "--max-staleness", "1", "--dataset-size", "300", "--eval-size", "5", "--dataset-seed", "3",
-                "--run-dir", str(tmp_path / "run")]  # fmt: skip
+                "--run-dir", str(tmp_path / "run"), "--curriculum-shared", "difficulty",
+                "--curriculum-class-decay", "1"]  # fmt: skip
         env = os.environ | {"PYTHONPATH": str(ROOT)}
         return subprocess.Popen([sys.executable, "-m", "buffer", *args], env=env, cwd=ROOT)
 
@@ -267,6 +269,8 @@ def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
         proc.wait(30)
     before = client.hgetall(KEY_PROMPT_STATE)
     assert len(before) == 10  # every received group counted in its prompt's state before the kill
+    classes_before = client.hgetall(KEY_CLASS_STATE)
+    assert sum(ClassState.parse(v).groups for v in classes_before.values()) == 10  # and its first group in its class
     proc = start()
     try:
         serve_until(rollout, 16)
@@ -287,6 +291,8 @@ def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
     assert all(after[k] == v for k, v in before.items())  # the state survived the kill, the carry's 2 groups
     # (delivered again to the restarted buffer) were not counted twice
     assert len(after) == 16 and all(PromptState.parse(v).groups == 1 for v in after.values())
+    classes_after = [ClassState.parse(v) for v in client.hgetall(KEY_CLASS_STATE).values()]
+    assert sum(c.groups for c in classes_after) == 16  # the 6 new first groups; none counted twice
 
 
 def test_streams_are_trimmed_but_unacknowledged_entries_stay(client: redis.Redis) -> None:

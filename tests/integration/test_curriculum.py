@@ -5,6 +5,7 @@ and brings skipped prompts back."""
 from __future__ import annotations
 
 import collections
+import json
 import math
 import threading
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from buffer.curriculum import KEY_PROMPT_STATE, PromptStates
+from buffer.curriculum import KEY_PROMPT_STATE, ClassState, PromptStates
 from buffer.metrics import BufferMetrics
 from buffer.service import Buffer
 from services.datasets import load_source
@@ -41,6 +42,15 @@ def group(prompt: str, n: int, accs: list[bool]) -> ScoredGroup:
                        replica_id="r")  # fmt: skip
 
 
+def run_out(buffer: Buffer, rollout: Rollout, steps: int) -> None:
+    """Step the buffer and serve its prompts until its dataset is exhausted (at most `steps` rounds)."""
+    for _ in range(steps):
+        buffer.step(block_ms=5)
+        rollout.serve()
+        if buffer.status.startswith("dataset exhausted"):
+            return
+
+
 def test_two_writers_update_a_prompt_atomically_and_count_a_group_once(server: EmbeddedRedis) -> None:
     groups = [group("p", i, [True] * (i % 5) + [False] * (4 - i % 5)) for i in range(120)]
     clients = [connect(server.url), connect(server.url)]
@@ -64,7 +74,7 @@ def test_two_writers_update_a_prompt_atomically_and_count_a_group_once(server: E
     assert got is not None
     assert got.groups == 120 and got.samples == 480 and got.correct == sum(i % 5 for i in range(120))
     assert got.version == 119
-    before, again, counted = states[1].record(groups[-1], zero_variance=False, version=200)
+    before, again, counted, _ = states[1].record(groups[-1], zero_variance=False, version=200)
     assert before == again == got and not counted  # a redelivery changes nothing and says so
     for c in clients:
         c.close()
@@ -72,12 +82,12 @@ def test_two_writers_update_a_prompt_atomically_and_count_a_group_once(server: E
 
 def test_a_prompt_state_decays_and_counts_its_streak(client: redis.Redis) -> None:
     states = PromptStates(client, decay=0.5)
-    first, s, counted = states.record(group("q", 0, [True, False, False, False]), zero_variance=False, version=3)
+    first, s, counted, _ = states.record(group("q", 0, [True, False, False, False]), zero_variance=False, version=3)
     assert first is None and counted and (s.correct, s.samples, s.groups) == (1, 4, 1)
-    before, s, _ = states.record(group("q", 1, [True] * 4), zero_variance=True, version=2)
+    before, s, _, _ = states.record(group("q", 1, [True] * 4), zero_variance=True, version=2)
     assert before is not None and before.groups == 1
     assert (s.correct, s.samples, s.groups, s.version, s.streak) == (4.5, 6.0, 2, 3, 1)
-    _, s, _ = states.record(group("q", 2, [True] * 4), zero_variance=True, version=4)
+    s = states.record(group("q", 2, [True] * 4), zero_variance=True, version=4).after
     assert (s.correct, s.samples, s.streak) == (6.25, 7.0, 2)
     assert states.record(group("q", 3, [True, False] * 2), zero_variance=False, version=5)[1].streak == 0
     assert states.get(["q", "unknown"])[1] is None
@@ -87,16 +97,20 @@ def test_a_prompt_state_decays_and_counts_its_streak(client: redis.Redis) -> Non
 def test_the_buffer_skips_solved_prompts_with_the_stated_probability(client: redis.Redis) -> None:
     """Half the prompts always all right (solved), half mixed: after the first pass the solved ones are dispatched
     at the chance their state gives, the mixed ones always; and every solved prompt comes back at some point."""
-    s = settings(dispatch_policy="curriculum", max_epochs=40, batch_size=8, max_staleness=3, curriculum_explore=0.02,
-                 curriculum_streak_decay=0.5, n_samples=8)  # fmt: skip
+    s = settings(
+        dispatch_policy="curriculum",
+        max_epochs=40,
+        batch_size=8,
+        max_staleness=3,
+        curriculum_explore=0.02,
+        curriculum_streak_decay=0.5,
+        n_samples=8,
+        curriculum_shared="none",  # every first group goes out: the class prior (tested below) would skip some
+    )
     buffer = Buffer(s, client, SMALL, BufferMetrics(CollectorRegistry()))
     solved = {buffer.source.train[i].prompt_id for i in range(0, 40, 2)}
     rollout = Rollout(client, lambda t, i: [True] * 8 if t.prompt_id in solved else [True, False] * 4)
-    for _ in range(1000):
-        buffer.step(block_ms=5)
-        rollout.serve()
-        if buffer.status.startswith("dataset exhausted"):
-            break
+    run_out(buffer, rollout, 1000)
     tasks = [decode(f, PromptTask) for _, f in client.xrange(STREAM_PROMPTS)]
     later = collections.Counter(t.prompt_id for t in tasks if not t.task_id.split("#e")[1].startswith("0p"))
     epochs = buffer.cursor.epoch  # epochs 1.. of the run
@@ -117,8 +131,9 @@ def test_the_buffer_skips_solved_prompts_with_the_stated_probability(client: red
     buffer.update_bands()
     assert {b: buffer.m.bands.labels(b)._value.get() for b in ("solved", "medium", "unseen")} == {
         "solved": 20, "medium": 20, "unseen": 0}  # fmt: skip
-    predicted = buffer.m.predicted._value.get() / buffer.m.predicted_groups._value.get()
-    observed = buffer.m.observed._value.get() / buffer.m.predicted_groups._value.get()
+    with_history = buffer.m.predicted_groups.labels("prompt")._value.get()
+    predicted = buffer.m.predicted.labels("prompt")._value.get() / with_history
+    observed = buffer.m.observed.labels("prompt")._value.get() / with_history
     assert abs(predicted - observed) < 0.25 and not math.isnan(predicted)
 
 
@@ -126,11 +141,76 @@ def test_uniform_dispatches_every_prompt_every_epoch(client: redis.Redis) -> Non
     buffer = Buffer(settings(max_epochs=3, batch_size=8, max_staleness=3), client, SMALL,
                     BufferMetrics(CollectorRegistry()))  # fmt: skip
     rollout = Rollout(client, lambda t, i: [True] * 4)
-    for _ in range(100):
-        buffer.step(block_ms=5)
-        rollout.serve()
-        if buffer.status.startswith("dataset exhausted"):
-            break
+    run_out(buffer, rollout, 100)
     counts = collections.Counter(decode(f, PromptTask).prompt_id for _, f in client.xrange(STREAM_PROMPTS))
     assert len(counts) == 40 and set(counts.values()) == {3}
     assert len(client.hgetall(KEY_PROMPT_STATE)) == 40  # the state is kept under either policy (observability)
+
+
+def test_a_prompts_first_group_counts_once_in_its_class_under_two_writers(server: EmbeddedRedis) -> None:
+    """Each prompt's first group (and only that one) counts in its class, in the script that counts it in the
+    prompt: two writers recording the same groups at once count each first group once."""
+    clients = [connect(server.url), connect(server.url)]
+    states = [PromptStates(c, decay=1.0, class_decay=1.0) for c in clients]  # plain sums, checkable
+    firsts = [group(f"p{i}", 0, [True] * 4 if i % 3 == 0 else [True, False] * 2) for i in range(60)]
+    seconds = [group(f"p{i}", 1, [False] * 4) for i in range(60)]
+    both = threading.Barrier(2)
+
+    def write(k: int) -> None:
+        for first, second in zip(firsts, seconds, strict=True):
+            both.wait(10)
+            states[k].record(first, zero_variance=first.scores[0].acc == first.scores[1].acc, version=0, klass="c")
+            states[k].record(second, zero_variance=True, version=1, klass="c")
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    (c,) = states[0].classes(["c"])
+    assert c is not None and (c.groups, c.dropped) == (60, 20)  # 60 first groups, 20 of them all right
+    assert states[0].classes(["unknown"]) == [None]
+    # the class's state before a first group comes back with it; not with a later group, nor a redelivery
+    r = states[0].record(group("new", 0, [True, False]), zero_variance=False, version=2, klass="c")
+    assert r.before is None and r.class_before == c and r.class_before.predict() == pytest.approx(20.5 / 61)
+    assert (
+        states[0].record(group("new", 1, [True, False]), zero_variance=False, version=2, klass="c").class_before is None
+    )
+    assert states[1].record(group("new", 0, [True, False]), zero_variance=False, version=2, klass="c").counted is False
+    assert states[0].classes(["c"])[0] == ClassState(20, 61)
+    for cl in clients:
+        cl.close()
+
+
+def test_unseen_prompts_of_a_class_whose_first_groups_are_dropped_are_skipped(client: redis.Redis) -> None:
+    """chain_sum with 1- and 2-digit terms: every 2-digit prompt answers all wrong, every 1-digit one mixed. In the
+    first pass, once a class has a few first groups, its unseen prompts go out with the chance its first groups
+    were kept: the 2-digit ones at about the floor, the 1-digit ones almost all; with `curriculum_shared = none`
+    every prompt goes out."""
+    source = load_source("reasoning_gym:chain_sum", size=300, seed=3, eval_size=0, config=CFG)
+    two_digit = {it.prompt_id for it in source.train if json.loads(it.ground_truth)["metadata"]["num_digits"] == 2}
+    assert 100 < len(two_digit) < 200
+
+    def first_pass(shared: str) -> tuple[float, float, Buffer]:
+        client.flushdb()
+        s = settings(dispatch_policy="curriculum", curriculum_shared=shared, max_epochs=1, batch_size=16,
+                     max_staleness=0, curriculum_explore=0.05, n_samples=4)  # fmt: skip
+        buffer = Buffer(s, client, source, BufferMetrics(CollectorRegistry()))
+        rollout = Rollout(client, lambda t, i: [False] * 4 if t.prompt_id in two_digit else [True, False] * 2)
+        run_out(buffer, rollout, 2000)
+        sent = {decode(f, PromptTask).prompt_id for _, f in client.xrange(STREAM_PROMPTS)}
+        one = len(sent - two_digit) / (300 - len(two_digit))
+        return len(sent & two_digit) / len(two_digit), one, buffer
+
+    hard, easy, buffer = first_pass("difficulty")
+    assert buffer.status.startswith("dataset exhausted")
+    assert hard < 0.2 and easy > 0.85, (hard, easy)  # 2-digit: the floor 0.05 after the first 4+ (up to 16 sent
+    # before any came back); 1-digit: q = 0.5 / (n + 1), dispatched with 1 - q
+    classes = dict(zip(*[["reasoning_gym/chain_sum|num_digits=1,num_terms=2",
+                          "reasoning_gym/chain_sum|num_digits=2,num_terms=2"]] * 2, strict=True))  # fmt: skip
+    got = buffer.states.classes(list(classes))
+    assert got[0] is not None and got[0].dropped < 0.01 and got[1] is not None and got[1].dropped > 0.9 * got[1].groups
+    assert buffer.m.predicted_groups.labels("class")._value.get() > 0
+    assert buffer.m.observed.labels("class")._value.get() > 0  # the 2-digit explorations, dropped as predicted
+    hard, easy, _ = first_pass("none")
+    assert hard == easy == 1.0

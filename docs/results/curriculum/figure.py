@@ -1,8 +1,8 @@
 """docs/results/curriculum/curriculum.png: held-out avg@4 by version (each seed, and the mean over seeds), and the
 cumulative share of groups dynamic sampling dropped, by learner step, for the DAPO preset on 100 prompts under
 `uniform`, the curriculum and the curriculum with GRESO's decaying exploration; docs/results/curriculum/hard.png: the
-hard-start preset's held-out avg@4 per task under the curriculum and under `uniform`. It also prints each run's row of
-the seed table (docs/results/curriculum.md).  Run from the repository root:
+hard-start preset's held-out avg@4 per task under the curriculum (without and with the class prior) and `uniform`.
+It also prints each run's row of the seed table (docs/results/curriculum.md).  Run from the repository root:
 
     .venv/bin/python docs/results/curriculum/figure.py
 """
@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path("docs/results/curriculum")
 POLICIES = {"uniform": "uniform", "curriculum (default)": "curriculum", "curriculum, streak decay": "curriculum-streak"}
 SEEDS = (1, 2, 3)
-HARD = {"curriculum": "hard", "uniform": "hard-uniform"}
+HARD = {"curriculum": "hard", "uniform": "hard-uniform", "curriculum, class prior": "hard-class"}
 
 
 def rows(name: str) -> list[dict[str, Any]]:
@@ -104,7 +104,7 @@ def dapo() -> None:
 
 def hard() -> None:
     fig, (acc, drop) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    for style, (policy, name) in zip(("-", "--"), HARD.items(), strict=True):
+    for style, (policy, name) in zip(("-", "--", ":"), HARD.items(), strict=True):
         rs = rows(name)
         if not rs:
             continue

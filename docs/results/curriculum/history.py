@@ -10,6 +10,7 @@ the conditional rates of the policy's own learning, unbiased by the dispatcher.
 
     .venv/bin/python docs/results/curriculum/history.py extract RUN_DIR NAME   # -> NAME.outcomes.jsonl here
     .venv/bin/python docs/results/curriculum/history.py report NAME [NAME ...]  # the table, pooled over NAMEs
+    .venv/bin/python docs/results/curriculum/history.py classes NAME PRESET     # first groups by class
 """
 
 from __future__ import annotations
@@ -185,10 +186,51 @@ def by_task(seqs: list[list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def classes(name: str, preset: Path, explore: float = 0.1, decay: float = 0.95) -> str:
+    """Each prompt's first group by its class (buffer/curriculum.py's difficulty_class, the items rebuilt from the
+    run's preset), and the class prior replayed on the first groups in dispatch order: each weighed by its chance
+    of being dispatched, max(explore, 1 - q) with q its class's decayed drop share so far (importance weights, for a
+    `uniform` run; without the feedback of a live run, whose class states count only the first groups it sent)."""
+    from buffer.curriculum import ClassState, difficulty_class
+    from buffer.runner import buffer_source
+    from buffer.settings import BufferSettings
+    from mesh.config import load_preset
+
+    p = load_preset(preset)
+    s = BufferSettings(**p.services["buffer"] | {k: p.mesh[k] for k in ("dataset", "eval_size") if k in p.mesh})
+    items = {it.prompt_id: it for it in buffer_source(s).train}
+    firsts = sorted((seq[0] for seq in sequences([name])), key=lambda r: (r["epoch"], r["position"]))
+    lines = ["| shared by | class | first groups | dropped |", "|---|---|---|---|"]
+    replay = []
+    for shared in ("task", "difficulty"):
+        state: dict[str, tuple[float, float]] = {}
+        seen: dict[str, list[bool]] = defaultdict(list)
+        w = []
+        for r in firsts:
+            it = items[r["prompt"]]
+            k = difficulty_class(it.data_source, it.ground_truth, shared) or ""
+            d, n = state.get(k, (0.0, 0.0))
+            q = ClassState(d, n).predict()
+            w.append((1.0 if q is None else max(explore, 1 - q), r["outcome"] in DROPPED))
+            state[k] = (d * decay + (r["outcome"] in DROPPED), n * decay + 1)
+            seen[k].append(r["outcome"] in DROPPED)
+        lines += [f"| {shared} | {k} | {len(v)} | {sum(v) / len(v):.0%} |" for k, v in sorted(seen.items())]
+        dispatched = sum(x for x, _ in w)
+        dropped = sum(x for x, dr in w if dr) / dispatched
+        replay.append(f"| {shared} | {dispatched / len(w):.0%} | {dropped:.0%} |")
+    uniform = sum(r["outcome"] in DROPPED for r in firsts) / len(firsts)
+    head = ["", f"first groups replayed (explore {explore}, class decay {decay}):", "",
+            "| class prior | share dispatched | of those, dropped |", "|---|---|---|",
+            f"| none (uniform) | 100% | {uniform:.0%} |"]  # fmt: skip
+    return "\n".join(lines + head + replay)
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "extract":
         print(extract(Path(sys.argv[2]), sys.argv[3]))
     elif len(sys.argv) >= 3 and sys.argv[1] == "report":
         print(report(sys.argv[2:]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "classes":
+        print(classes(sys.argv[2], Path(sys.argv[3])))
     else:
         sys.exit(__doc__)

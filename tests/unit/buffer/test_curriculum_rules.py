@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
 import pytest
 
-from buffer.curriculum import PromptState, band, decide, dispatch_probability, zero_variance_probability
+from buffer.curriculum import (
+    ClassState,
+    PromptState,
+    band,
+    decide,
+    difficulty_class,
+    dispatch_probability,
+    zero_variance_probability,
+)
 
 
 def state(correct: float, samples: float, groups: int = 1, streak: int = 0) -> PromptState:
@@ -66,3 +75,26 @@ def test_the_curriculum_needs_the_accuracy_filter_it_predicts() -> None:
     with pytest.raises(ValueError, match="continuous_rewards off"):
         BufferSettings(dispatch_policy="curriculum", continuous_rewards=True)
     assert BufferSettings(dispatch_policy="curriculum").dispatch_policy == "curriculum"
+
+
+def test_a_prompts_class_is_its_task_and_the_difficulty_its_metadata_names() -> None:
+    import reasoning_gym
+
+    item = reasoning_gym.create_dataset("chain_sum", size=4, seed=1, min_digits=2, max_digits=2)[0]
+    truth = json.dumps({"answer": item["answer"], "metadata": item["metadata"]})
+    src = "reasoning_gym/chain_sum"
+    assert difficulty_class(src, truth, "difficulty") == f"{src}|num_digits=2,num_terms={item['metadata']['num_terms']}"
+    assert difficulty_class(src, truth, "task") == src
+    assert difficulty_class(src, truth, "none") is None
+    gsm = json.dumps({"answer": "7", "metadata": {"difficulty": 1.0, "variables": {}}})  # a scalar difficulty
+    assert difficulty_class("rg/gsm_symbolic", gsm, "difficulty") == "rg/gsm_symbolic|difficulty=1.0"
+    # a file row's ground truth is an answer, not metadata: its task (data source) alone
+    assert difficulty_class("math", "42", "difficulty") == difficulty_class("math", "[1, 2]", "difficulty") == "math"
+    assert difficulty_class("t", json.dumps({"metadata": {"difficulty": {"n": [1, 3]}}}), "difficulty") == "t"
+
+
+def test_a_class_predicts_its_first_groups_drop_share_once_it_has_a_few() -> None:
+    assert ClassState(3, 3).predict() is None  # fewer than CLASS_MIN_GROUPS first groups: nothing predicted
+    assert ClassState(4, 4).predict() == pytest.approx(4.5 / 5)
+    assert ClassState(0, 10).predict() == pytest.approx(0.5 / 11)
+    assert ClassState.parse("[2.5, 5.0]") == ClassState(2.5, 5.0)
