@@ -47,8 +47,8 @@ from services.streams import redis_errors
 KEY_PROMPT_STATE = (
     "dapo:buffer:prompt-state"  # hash: prompt id -> JSON [correct, samples, groups, version, streak, tags]
 )
-KEY_CLASS_STATE = "dapo:buffer:class-state"  # hash: class -> JSON [dropped, groups], decayed, of first groups
-CLASS_MIN_GROUPS = 4.0  # a class predicts nothing before this many (decayed) first groups
+KEY_CLASS_STATE = "dapo:buffer:class-state"  # hash: class -> JSON [dropped, groups (both decayed), first groups]
+CLASS_MIN_GROUPS = 4  # a class predicts nothing before this many first groups
 RECENT_TAGS = 8  # group ids (8 hex digits each) remembered per prompt: a redelivered group is not counted twice
 BANDS = ((0.0, "unsolved"), (0.05, "hard"), (0.35, "medium"), (0.65, "easy"), (0.95, "solved"))
 
@@ -74,10 +74,11 @@ redis.call('HSET', KEYS[1], ARGV[1], new)
 local cls = ''
 if not raw and ARGV[9] ~= '' then
   cls = redis.call('HGET', KEYS[2], ARGV[9]) or ''
-  local c = cls ~= '' and cjson.decode(cls) or {0, 0}
+  local c = cls ~= '' and cjson.decode(cls) or {0, 0, 0}
   local cd = tonumber(ARGV[10])
   c[1] = c[1] * cd + tonumber(ARGV[5])
   c[2] = c[2] * cd + 1
+  c[3] = c[3] + 1
   redis.call('HSET', KEYS[2], ARGV[9], cjson.encode(c))
 end
 return {raw or '', new, 1, cls}
@@ -106,16 +107,17 @@ class PromptState:
 class ClassState:
     dropped: float  # decayed count of its prompts' first groups that dynamic sampling dropped
     groups: float  # decayed count of its prompts' first groups
+    seen: int  # its prompts' first groups counted (not decayed)
 
     @classmethod
     def parse(cls, raw: bytes | str) -> ClassState:
-        d, n = json.loads(raw)
-        return cls(float(d), float(n))
+        d, n, k = json.loads(raw)
+        return cls(float(d), float(n), int(k))
 
     def predict(self) -> float | None:
         """P(an unseen prompt of this class gives a dropped first group): the decayed share, with half a pseudo-group
         of each outcome; None before CLASS_MIN_GROUPS first groups."""
-        return (self.dropped + 0.5) / (self.groups + 1.0) if self.groups >= CLASS_MIN_GROUPS else None
+        return (self.dropped + 0.5) / (self.groups + 1.0) if self.seen >= CLASS_MIN_GROUPS else None
 
 
 def difficulty_class(data_source: str, ground_truth: str, shared: str) -> str | None:

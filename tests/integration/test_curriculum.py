@@ -105,7 +105,7 @@ def test_the_buffer_skips_solved_prompts_with_the_stated_probability(client: red
         curriculum_explore=0.02,
         curriculum_streak_decay=0.5,
         n_samples=8,
-        curriculum_shared="none",  # every first group goes out: the class prior (tested below) would skip some
+        curriculum_shared="none",  # every first group goes out (the default; the class prior is tested below)
     )
     buffer = Buffer(s, client, SMALL, BufferMetrics(CollectorRegistry()))
     solved = {buffer.source.train[i].prompt_id for i in range(0, 40, 2)}
@@ -177,7 +177,7 @@ def test_a_prompts_first_group_counts_once_in_its_class_under_two_writers(server
         states[0].record(group("new", 1, [True, False]), zero_variance=False, version=2, klass="c").class_before is None
     )
     assert states[1].record(group("new", 0, [True, False]), zero_variance=False, version=2, klass="c").counted is False
-    assert states[0].classes(["c"])[0] == ClassState(20, 61)
+    assert states[0].classes(["c"])[0] == ClassState(20, 61, 61)
     for cl in clients:
         cl.close()
 
@@ -212,5 +212,12 @@ def test_unseen_prompts_of_a_class_whose_first_groups_are_dropped_are_skipped(cl
     assert got[0] is not None and got[0].dropped < 0.01 and got[1] is not None and got[1].dropped > 0.9 * got[1].groups
     assert buffer.m.predicted_groups.labels("class")._value.get() > 0
     assert buffer.m.observed.labels("class")._value.get() > 0  # the 2-digit explorations, dropped as predicted
+    # a prompt with history follows its own state, not its class's: a 2-digit prompt with a mixed group goes out
+    unseen = [it for it in source.train if it.prompt_id in two_digit and not buffer.states.get([it.prompt_id])[0]]
+    mixed = unseen.pop()
+    own = buffer.states.record(group(mixed.prompt_id, 0, [True, False] * 2), zero_variance=False, version=0).after
+    share = [sum(buffer.choose([(it, 9, p) for p in range(400)])) / 400 for it in (mixed, unseen[0])]
+    assert abs(share[0] - (1 - (buffer.predict(own) or 0))) < 0.08, share  # its own chance, 1 - q = 0.73 (G = 4)
+    assert share[1] < 0.15, share  # an unseen one of its class: about the floor
     hard, easy, _ = first_pass("none")
     assert hard == easy == 1.0

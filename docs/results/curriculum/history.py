@@ -203,16 +203,16 @@ def classes(name: str, preset: Path, explore: float = 0.1, decay: float = 0.95) 
     lines = ["| shared by | class | first groups | dropped |", "|---|---|---|---|"]
     replay = []
     for shared in ("task", "difficulty"):
-        state: dict[str, tuple[float, float]] = {}
+        state: dict[str, tuple[float, float, int]] = {}
         seen: dict[str, list[bool]] = defaultdict(list)
         w = []
         for r in firsts:
             it = items[r["prompt"]]
             k = difficulty_class(it.data_source, it.ground_truth, shared) or ""
-            d, n = state.get(k, (0.0, 0.0))
-            q = ClassState(d, n).predict()
+            d, n, seen_k = state.get(k, (0.0, 0.0, 0))
+            q = ClassState(d, n, seen_k).predict()
             w.append((1.0 if q is None else max(explore, 1 - q), r["outcome"] in DROPPED))
-            state[k] = (d * decay + (r["outcome"] in DROPPED), n * decay + 1)
+            state[k] = (d * decay + (r["outcome"] in DROPPED), n * decay + 1, seen_k + 1)
             seen[k].append(r["outcome"] in DROPPED)
         lines += [f"| {shared} | {k} | {len(v)} | {sum(v) / len(v):.0%} |" for k, v in sorted(seen.items())]
         dispatched = sum(x for x, _ in w)

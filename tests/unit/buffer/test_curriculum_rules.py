@@ -94,7 +94,8 @@ def test_a_prompts_class_is_its_task_and_the_difficulty_its_metadata_names() -> 
 
 
 def test_a_class_predicts_its_first_groups_drop_share_once_it_has_a_few() -> None:
-    assert ClassState(3, 3).predict() is None  # fewer than CLASS_MIN_GROUPS first groups: nothing predicted
-    assert ClassState(4, 4).predict() == pytest.approx(4.5 / 5)
-    assert ClassState(0, 10).predict() == pytest.approx(0.5 / 11)
-    assert ClassState.parse("[2.5, 5.0]") == ClassState(2.5, 5.0)
+    assert ClassState(3, 3, 3).predict() is None  # fewer than CLASS_MIN_GROUPS first groups: nothing predicted
+    assert ClassState(4, 4, 4).predict() == pytest.approx(4.5 / 5)
+    assert ClassState(0, 10, 40).predict() == pytest.approx(0.5 / 11)
+    assert ClassState(3.5, 3.5, 4).predict() == pytest.approx(4 / 4.5)  # decayed below 4: counted by first groups
+    assert ClassState.parse("[2.5, 5.0, 9]") == ClassState(2.5, 5.0, 9)
