@@ -53,25 +53,36 @@ def _finite(*xs: Any) -> bool:
     return all(isinstance(x, int | float) and math.isfinite(x) for x in xs)
 
 
+def metric_rows(path: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl (or a copy of one, as the docs keep), a dict per line; [] without the file."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def eval_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The held-out evaluations (rows of kind "eval"), in policy-version order."""
+    return sorted((r for r in rows if r.get("kind") == "eval"), key=lambda r: r["policy_version"])
+
+
+def step_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The learner steps' rows that carry the buffer's cumulative group counts."""
+    return [r for r in rows if r.get("kind") != "eval" and _finite(r.get("groups_received"), r.get("groups_kept"))]
+
+
+def dropped_since(steps: list[dict[str, Any]], since: dict[str, Any] | None = None) -> tuple[float, float]:
+    """(share of received groups dynamic sampling dropped, groups received per group kept) from the step row
+    `since` (the run's start: None) to the last of `steps`; NaN where nothing was received or kept."""
+    last = steps[-1]
+    got = last["groups_received"] - (since["groups_received"] if since else 0)
+    kept = last["groups_kept"] - (since["groups_kept"] if since else 0)
+    return (1 - kept / got, got / kept) if got > 0 and kept > 0 else (math.nan, math.nan)
+
+
 def read_waste(run_dir: Path) -> Waste | None:
-    path = RunLayout(run_dir).metrics
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    rows = [r for r in rows if r.get("kind") != "eval" and _finite(r.get("groups_received"), r.get("groups_kept"))]
-    if not rows:
+    steps = step_rows(metric_rows(RunLayout(run_dir).metrics))
+    if not steps:
         return None
-    last = rows[-1]
-    later = next((r for r in rows if r.get("epoch", 0) >= 1), None)
-
-    def ratio(got: float, kept: float) -> tuple[float, float]:
-        return (1 - kept / got, got / kept) if got > 0 and kept > 0 else (math.nan, math.nan)
-
-    whole = ratio(last["groups_received"], last["groups_kept"])
-    after = (
-        ratio(last["groups_received"] - later["groups_received"], last["groups_kept"] - later["groups_kept"])
-        if later is not None
-        else (math.nan, math.nan)
-    )
-    return Waste(*whole, *after)
+    later = next((r for r in steps if r.get("epoch", 0) >= 1), None)
+    return Waste(*dropped_since(steps), *(dropped_since(steps, later) if later is not None else (math.nan, math.nan)))
 
 
 @dataclass(frozen=True)
@@ -101,9 +112,7 @@ def read_run(run_dir: Path) -> tuple[float, float, int] | None:
 
 def _evals(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
     """(policy version, row) of a run's held-out evaluations, in version order; none before any."""
-    path = RunLayout(run_dir).metrics
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    return sorted(((r["policy_version"], r) for r in rows if r.get("kind") == "eval"), key=lambda e: e[0])
+    return [(r["policy_version"], r) for r in eval_rows(metric_rows(RunLayout(run_dir).metrics))]
 
 
 def _std(xs: list[float]) -> float:

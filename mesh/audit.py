@@ -77,7 +77,8 @@ class AuditReport:
         return json.dumps(asdict(self) | {"balanced": self.balanced}, indent=1)
 
 
-def _entries(client: redis.Redis, stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
+def stream_entries(client: redis.Redis, stream: str) -> list[tuple[str, dict[bytes, bytes]]]:
+    """Every entry of a stream, read in pages of 1,000 (XRANGE), as (entry id, fields)."""
     out: list[tuple[str, dict[bytes, bytes]]] = []
     start = "-"
     while True:
@@ -114,7 +115,7 @@ def _waiting(client: redis.Redis, stream: str, group: str, entry_ids: list[str])
 def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     r = AuditReport()
     paths = RunLayout(run_dir)
-    prompts = [(i, decode(f, PromptTask)) for i, f in _entries(client, STREAM_PROMPTS)]  # each stream read once
+    prompts = [(i, decode(f, PromptTask)) for i, f in stream_entries(client, STREAM_PROMPTS)]  # each stream read once
     dispatched = {t.task_id for _, t in prompts}
     r.dispatched = len(dispatched)
     r.trimmed_prompts = bool(prompts) and int(client.xinfo_stream(STREAM_PROMPTS).get("entries-added", 0)) > len(
@@ -123,12 +124,12 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     waiting_prompts = _waiting(client, STREAM_PROMPTS, GROUP_ROLLOUT, [i for i, _ in prompts])
     at_rollout = {t.task_id for i, t in prompts if i in waiting_prompts}
 
-    rollouts = _entries(client, STREAM_ROLLOUTS)
+    rollouts = stream_entries(client, STREAM_ROLLOUTS)
     waiting_groups = _waiting(client, STREAM_ROLLOUTS, GROUP_BUFFER, [i for i, _ in rollouts])
     at_buffer = {decode(f, ScoredGroup).task.task_id for i, f in rollouts if i in waiting_groups}
 
     reasons: dict[str, set[str]] = defaultdict(set)
-    for _, f in _entries(client, STREAM_DROPPED):
+    for _, f in stream_entries(client, STREAM_DROPPED):
         d = decode(f, DroppedGroup)
         reasons[d.task_id].add(d.reason)
     # a group dropped only as a duplicate is accounted by its other copy: with none trained, batched or waiting,
@@ -147,7 +148,7 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
 
     batch_groups: dict[str, set[str]] = {}
     batches: dict[str, TrainBatch] = {}
-    for _, f in _entries(client, STREAM_BATCHES):
+    for _, f in stream_entries(client, STREAM_BATCHES):
         b = decode(f, TrainBatch)
         batches.setdefault(b.digest(), b)
         batch_groups.setdefault(b.digest(), {g.group_id for g in b.groups})
@@ -168,7 +169,7 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     in_batch = set(owners) - trained
 
     dead: set[str] = set()
-    entries = _entries(client, DEAD_LETTER_STREAM)
+    entries = stream_entries(client, DEAD_LETTER_STREAM)
     r.dead_letters = len(entries)
     for _, f in entries:
         dead |= _task_ids_of_dead_letter(f)

@@ -9,7 +9,6 @@ It also prints each run's row of the seed table (docs/results/curriculum.md).  R
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mesh.ablate import dropped_since, metric_rows  # noqa: E402
+from mesh.ablate import eval_rows as evals  # noqa: E402
+from mesh.ablate import step_rows as steps  # noqa: E402
+
 HERE = Path("docs/results/curriculum")
 POLICIES = {"uniform": "uniform", "curriculum (default)": "curriculum", "curriculum, streak decay": "curriculum-streak"}
 SEEDS = (1, 2, 3)
@@ -26,24 +29,12 @@ HARD = {"curriculum": "hard", "uniform": "hard-uniform", "curriculum, class prio
 
 
 def rows(name: str) -> list[dict[str, Any]]:
-    path = HERE / f"{name}.metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def evals(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return sorted((r for r in rs if r.get("kind") == "eval"), key=lambda r: r["policy_version"])
-
-
-def steps(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rs if r.get("kind") != "eval" and "groups_received" in r]
+    return metric_rows(HERE / f"{name}.metrics.jsonl")
 
 
 def waste(rs: list[dict[str, Any]], since: dict[str, Any] | None = None) -> tuple[float, float]:
     """(share of scored groups dropped, groups received per group kept), from `since` (a step's row) to the end."""
-    last = steps(rs)[-1]
-    got = last["groups_received"] - (since["groups_received"] if since else 0)
-    kept = last["groups_kept"] - (since["groups_kept"] if since else 0)
-    return 1 - kept / got, got / kept
+    return dropped_since(steps(rs), since)
 
 
 def to_plus(rs: list[dict[str, Any]], points: float = 0.30) -> str:

@@ -30,7 +30,7 @@ def extract(run_dir: Path, name: str) -> Path:
     NAME.outcomes.jsonl. A kept group's correct answers come from its batch in `dapo:batches` (a dropped one's are
     0 or all); where the stream no longer holds its batch (the learner trims it), from the batch's mean accuracy in
     the ledger ("exact": false); `correct` is null for a stale group."""
-    from mesh.audit import _entries
+    from mesh.audit import stream_entries
     from mesh.layout import RunLayout
     from services.ledger import read_ledger
     from services.redis_server import EmbeddedRedis
@@ -47,10 +47,10 @@ def extract(run_dir: Path, name: str) -> Path:
     server = EmbeddedRedis(layout.redis)
     try:
         client = connect(server.start(), retries=2)
-        for _, fields in _entries(client, STREAM_DROPPED):
+        for _, fields in stream_entries(client, STREAM_DROPPED):
             d = decode(fields, DroppedGroup)
             outcome.setdefault(d.task_id, d.reason)
-        for _, fields in _entries(client, STREAM_BATCHES):
+        for _, fields in stream_entries(client, STREAM_BATCHES):
             for g in decode(fields, TrainBatch, max_bytes=1 << 30).groups:
                 correct[g.task.task_id] = (round(sum(s.acc for s in g.scores)), len(g.scores))
     finally:
