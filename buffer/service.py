@@ -238,8 +238,15 @@ class Buffer:
         """The curriculum's chance of dispatching the prompt with this state (or, without one, of its class)."""
         s = self.s
         streak = state.streak if state is not None else 0
-        q = self.predict(state) if state is not None else (cls.predict() if cls is not None else None)
+        _, q = self.prediction(state, cls)
         return dispatch_probability(q, streak, explore=s.curriculum_explore, streak_decay=s.curriculum_streak_decay)
+
+    def prediction(self, state: PromptState | None, cls: ClassState | None) -> tuple[str, float | None]:
+        """(basis, P(the prompt's next group is dropped)): from its own state ("prompt"), or without one from its
+        class's ("class"); None where neither predicts."""
+        if state is not None:
+            return "prompt", self.predict(state)
+        return "class", cls.predict() if cls is not None else None
 
     def predict(self, state: PromptState | None) -> float | None:
         """P(the prompt's next group is dropped by dynamic sampling); None: no history."""
@@ -299,9 +306,7 @@ class Buffer:
         agreed = correct in (0, len(g.scores))
         klass = self.klass(g.task.data_source, g.task.ground_truth)
         r = self.states.record(g, zero_variance=agreed, version=g.max_version, klass=klass)
-        basis, q = ("prompt", self.predict(r.before)) if r.before is not None else ("class", None)
-        if r.before is None and r.class_before is not None:
-            q = r.class_before.predict()
+        basis, q = self.prediction(r.before, r.class_before)
         if r.counted and q is not None:
             self.m.predicted.labels(basis).inc(q)
             self.m.predicted_groups.labels(basis).inc()
