@@ -32,6 +32,7 @@ from typing import Any
 
 import redis
 
+from buffer.curriculum import KEY_PROMPT_STATE, PromptStates
 from learner.checkpoint import read_state
 from mesh.layout import RunLayout
 from services.ledger import read_ledger
@@ -68,10 +69,13 @@ class AuditReport:
     token_lag: dict[int, int] = field(default_factory=dict)  # version lag -> trained response tokens
     samples_trained: int = 0  # samples of the trained batches found in the stream
     samples_spanning: int = 0  # ... whose tokens span more than one policy version
+    state_checked: int = 0  # prompts whose pass-rate state was checked against the groups the buffer received
+    state_miscounted: list[str] = field(default_factory=list)  # ... whose count of groups is not that many
 
     @property
     def balanced(self) -> bool:
-        return not self.vanished and not self.batches_trained_twice and not self.groups_in_two_batches
+        lists = (self.vanished, self.batches_trained_twice, self.groups_in_two_batches, self.state_miscounted)
+        return not any(lists)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self) | {"balanced": self.balanced}, indent=1)
@@ -93,23 +97,27 @@ def stream_entries(client: redis.Redis, stream: str) -> list[tuple[str, dict[byt
 def _waiting(client: redis.Redis, stream: str, group: str, entry_ids: list[str]) -> set[str]:
     """Of `entry_ids` (the stream's entries), those a group has not acknowledged: its pending list and what
     it has not read yet."""
-    ids: set[str] = set()
     try:
         groups = {as_str(g["name"]): g for g in client.xinfo_groups(stream)}
     except redis.ResponseError:  # no such stream
-        return ids
+        return set()
     if group not in groups:
         return set(entry_ids)
     last = parse_id(as_str(groups[group]["last-delivered-id"]))
+    return _pending(client, stream, group) | {i for i in entry_ids if parse_id(i) > last}
+
+
+def _pending(client: redis.Redis, stream: str, group: str) -> set[str]:
+    """The entries a group has read and not acknowledged (XPENDING, in pages of 1,000)."""
+    ids: set[str] = set()
     start = "-"
     while True:
         pend = client.xpending_range(stream, group, min=start, max="+", count=1000)
         if not pend:
-            break
+            return ids
         ids |= {as_str(p["message_id"]) for p in pend}
         tail = parse_id(as_str(pend[-1]["message_id"]))
         start = f"{tail[0]}-{tail[1] + 1}"
-    return ids | {i for i in entry_ids if parse_id(i) > last}
 
 
 def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
@@ -118,20 +126,22 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     prompts = [(i, decode(f, PromptTask)) for i, f in stream_entries(client, STREAM_PROMPTS)]  # each stream read once
     dispatched = {t.task_id for _, t in prompts}
     r.dispatched = len(dispatched)
-    r.trimmed_prompts = bool(prompts) and int(client.xinfo_stream(STREAM_PROMPTS).get("entries-added", 0)) > len(
-        prompts
-    )
+    added = int(client.xinfo_stream(STREAM_PROMPTS).get("entries-added", 0)) if prompts else 0
+    r.trimmed_prompts = added > len(prompts)
     waiting_prompts = _waiting(client, STREAM_PROMPTS, GROUP_ROLLOUT, [i for i, _ in prompts])
     at_rollout = {t.task_id for i, t in prompts if i in waiting_prompts}
 
-    rollouts = stream_entries(client, STREAM_ROLLOUTS)
+    rollouts = [(i, decode(f, ScoredGroup).task) for i, f in stream_entries(client, STREAM_ROLLOUTS)]
     waiting_groups = _waiting(client, STREAM_ROLLOUTS, GROUP_BUFFER, [i for i, _ in rollouts])
-    at_buffer = {decode(f, ScoredGroup).task.task_id for i, f in rollouts if i in waiting_groups}
+    at_buffer = {t.task_id for i, t in rollouts if i in waiting_groups}
+    read_groups = _pending(client, STREAM_ROLLOUTS, GROUP_BUFFER) if rollouts else set()
+    prompt_of = {t.task_id: t.prompt_id for _, t in prompts} | {t.task_id: t.prompt_id for _, t in rollouts}
 
     reasons: dict[str, set[str]] = defaultdict(set)
     for _, f in stream_entries(client, STREAM_DROPPED):
         d = decode(f, DroppedGroup)
         reasons[d.task_id].add(d.reason)
+        prompt_of.setdefault(d.task_id, d.prompt_id)
     # a group dropped only as a duplicate is accounted by its other copy: with none trained, batched or waiting,
     # it was a copy of itself (a consumer that reclaimed what it still held) and the group is lost
     dropped = {t: min(rs - {"duplicate"}) for t, rs in reasons.items() if rs - {"duplicate"}}
@@ -168,11 +178,9 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     trained = {t for k in in_weights for t in trained_groups.get(k, batch_groups.get(k, set()))}
     in_batch = set(owners) - trained
 
-    dead: set[str] = set()
     entries = stream_entries(client, DEAD_LETTER_STREAM)
     r.dead_letters = len(entries)
-    for _, f in entries:
-        dead |= _task_ids_of_dead_letter(f)
+    dead = {t for _, f in entries for t in _task_ids_of_dead_letter(f)}
 
     counts = dict.fromkeys(PLACES, 0)
     # the first place that holds a task id is its place; in none, it vanished
@@ -185,10 +193,31 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
             r.vanished.append(t)
     r.places = counts
     r.vanished.sort()
+    maybe = {t.task_id for i, t in rollouts if i in read_groups} | dead  # read, perhaps counted, not acknowledged
+    check_prompt_state(r, client, prompt_of, received=trained | set(dropped) | in_batch, maybe=maybe)
     sup = paths.supervisor_log
     if sup.exists():
         r.restarts = dict(Counter(json.loads(x)["service"] for x in sup.read_text().splitlines() if x.strip()))
     return r
+
+
+def check_prompt_state(
+    r: AuditReport, client: redis.Redis, prompt_of: dict[str, str], *, received: set[str], maybe: set[str]
+) -> None:
+    """Is every group the buffer took in counted once in its prompt's pass-rate state (buffer/curriculum.py)? A
+    prompt's count of groups must be at least its groups trained, batched or dropped (a duplicate's copy is not
+    counted again), and at most that plus its groups that may or may not have been counted: read by the buffer and
+    not acknowledged when the run stopped (counted as they are read, unless the buffer died in between), or
+    dead-lettered. Not checked when a group's prompt is unknown (a trimmed stream) or the state is absent."""
+    if any(t not in prompt_of for t in received) or (received and not client.exists(KEY_PROMPT_STATE)):
+        return
+    low = Counter(prompt_of[t] for t in received)
+    high = Counter(prompt_of[t] for t in maybe - received if t in prompt_of)
+    counted = {p: s.groups for p, s in PromptStates(client).scan()}
+    r.state_checked = len(counted.keys() | low.keys())
+    r.state_miscounted = sorted(
+        p for p in counted.keys() | low.keys() if not low[p] <= counted.get(p, 0) <= low[p] + high[p]
+    )
 
 
 def token_lags(r: AuditReport, trained: dict[str, tuple[int, TrainBatch]]) -> None:

@@ -161,7 +161,8 @@ def audit(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Account for every dispatched prompt: trained, in a batch, dropped (why), pending, dead-lettered —
-    or vanished. Exit code 1 if anything vanished, a batch is in the weights twice, or a group is in two batches."""
+    or vanished. Exit code 1 if anything vanished, a batch is in the weights twice, a group is in two batches, or
+    the buffer's pass-rate state counts a group twice or misses one."""
     from mesh.audit import PLACES
     from mesh.audit import audit as run_audit
     from mesh.layout import RunLayout
@@ -189,6 +190,11 @@ def audit(
             f"{report.groups_in_two_batches or 'none'}; trainings lost in learner crashes: "
             f"{report.trainings_lost_in_crashes}; dead letters: {report.dead_letters}; "
             f"restarts: {report.restarts or 'none'}"
+        )
+        checked = f"{report.state_checked} prompts checked" if report.state_checked else "not checked"
+        console.print(
+            f"pass-rate state ({checked}): prompts counting a group twice or missing one: "
+            f"{report.state_miscounted or 'none'}"
         )
         console.print(
             f"trained tokens by version lag: {report.token_lag or '-'}; samples spanning more than one "
