@@ -94,17 +94,16 @@ def stream_entries(client: redis.Redis, stream: str) -> list[tuple[str, dict[byt
         start = f"{last[0]}-{last[1] + 1}"
 
 
-def _waiting(client: redis.Redis, stream: str, group: str, entry_ids: list[str]) -> set[str]:
-    """Of `entry_ids` (the stream's entries), those a group has not acknowledged: its pending list and what
-    it has not read yet."""
+def _unacknowledged(client: redis.Redis, stream: str, group: str, entry_ids: list[str]) -> tuple[set[str], set[str]]:
+    """Of `entry_ids` (the stream's entries), those a group has not acknowledged: (read and pending, not read yet)."""
     try:
         groups = {as_str(g["name"]): g for g in client.xinfo_groups(stream)}
     except redis.ResponseError:  # no such stream
-        return set()
+        return set(), set()
     if group not in groups:
-        return set(entry_ids)
+        return set(), set(entry_ids)
     last = parse_id(as_str(groups[group]["last-delivered-id"]))
-    return _pending(client, stream, group) | {i for i in entry_ids if parse_id(i) > last}
+    return _pending(client, stream, group), {i for i in entry_ids if parse_id(i) > last}
 
 
 def _pending(client: redis.Redis, stream: str, group: str) -> set[str]:
@@ -128,13 +127,12 @@ def audit(client: redis.Redis, run_dir: Path) -> AuditReport:
     r.dispatched = len(dispatched)
     added = int(client.xinfo_stream(STREAM_PROMPTS).get("entries-added", 0)) if prompts else 0
     r.trimmed_prompts = added > len(prompts)
-    waiting_prompts = _waiting(client, STREAM_PROMPTS, GROUP_ROLLOUT, [i for i, _ in prompts])
+    waiting_prompts = set().union(*_unacknowledged(client, STREAM_PROMPTS, GROUP_ROLLOUT, [i for i, _ in prompts]))
     at_rollout = {t.task_id for i, t in prompts if i in waiting_prompts}
 
     rollouts = [(i, decode(f, ScoredGroup).task) for i, f in stream_entries(client, STREAM_ROLLOUTS)]
-    waiting_groups = _waiting(client, STREAM_ROLLOUTS, GROUP_BUFFER, [i for i, _ in rollouts])
-    at_buffer = {t.task_id for i, t in rollouts if i in waiting_groups}
-    read_groups = _pending(client, STREAM_ROLLOUTS, GROUP_BUFFER) if rollouts else set()
+    read_groups, unread_groups = _unacknowledged(client, STREAM_ROLLOUTS, GROUP_BUFFER, [i for i, _ in rollouts])
+    at_buffer = {t.task_id for i, t in rollouts if i in read_groups | unread_groups}
     prompt_of = {t.task_id: t.prompt_id for _, t in prompts} | {t.task_id: t.prompt_id for _, t in rollouts}
 
     reasons: dict[str, set[str]] = defaultdict(set)
@@ -214,10 +212,9 @@ def check_prompt_state(
     low = Counter(prompt_of[t] for t in received)
     high = Counter(prompt_of[t] for t in maybe - received if t in prompt_of)
     counted = {p: s.groups for p, s in PromptStates(client).scan()}
-    r.state_checked = len(counted.keys() | low.keys())
-    r.state_miscounted = sorted(
-        p for p in counted.keys() | low.keys() if not low[p] <= counted.get(p, 0) <= low[p] + high[p]
-    )
+    seen = counted.keys() | low.keys()
+    r.state_checked = len(seen)
+    r.state_miscounted = sorted(p for p in seen if not low[p] <= counted.get(p, 0) <= low[p] + high[p])
 
 
 def token_lags(r: AuditReport, trained: dict[str, tuple[int, TrainBatch]]) -> None:
