@@ -108,7 +108,7 @@ class Service:
             raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, full, headers=RETRY_AFTER)
         episode_id = req.episode_id or uuid.uuid4().hex
         assert self.workers is not None
-        self.table.opening += 1
+        self.table.begin_opening(episode_id)
         try:
             opening, state = await self.workers.call(
                 env.name, "reset", _open, env, req, episode_id, abandoned=lambda r: release(env, r[1])
@@ -129,7 +129,11 @@ class Service:
             log.exception("%s failed to reset", env.name)
             raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, f"{env.name} failed to reset: {e}") from None
         finally:
-            self.table.opening -= 1
+            closed = self.table.end_opening(episode_id)
+        if closed:  # while it was being opened: its client gave up on this answer
+            release(env, state)
+            self.metrics.episodes.labels(env.name, "closed").inc()
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"episode {episode_id!r} was closed while it was opening")
         if req.episode_id and (ep := self.table.get(req.episode_id)) is not None:  # the same reset, concurrently
             release(env, state)  # this one's state is not kept
             return ep.opening if ep.key == req.key() else await self.reset(req)
@@ -172,7 +176,7 @@ class Service:
             self.table.end(ep)
 
     def close(self, episode_id: str) -> Closed:
-        if self.table.close(episode_id) is None:
+        if not self.table.close(episode_id):
             self._episode(episode_id)  # raises the 404
         return Closed(episode_id=episode_id)
 

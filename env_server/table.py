@@ -10,6 +10,7 @@ episode run one at a time (a lock per episode); a sweeper drops episodes idle lo
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -133,6 +134,8 @@ class EpisodeTable:
         self.settings, self.metrics = settings, metrics
         self.episodes: dict[str, Episode] = {}
         self.opening = 0  # resets in flight: counted against max_open_episodes before they finish
+        self.opening_ids: collections.Counter[str] = collections.Counter()  # their episode ids
+        self.cancelled: set[str] = set()  # ids closed while their reset was in flight: not to be kept
         metrics.episodes_open.set_function(lambda: len(self.episodes))
 
     def get(self, episode_id: str) -> Episode | None:
@@ -147,6 +150,20 @@ class EpisodeTable:
 
     def add(self, ep: Episode) -> None:
         self.episodes[ep.id] = ep
+
+    def begin_opening(self, episode_id: str) -> None:
+        self.opening += 1
+        self.opening_ids[episode_id] += 1
+
+    def end_opening(self, episode_id: str) -> bool:
+        """A reset of `episode_id` is over (opened or failed); whether the episode was closed meanwhile."""
+        self.opening -= 1
+        self.opening_ids[episode_id] -= 1
+        cancelled = episode_id in self.cancelled
+        if self.opening_ids[episode_id] <= 0:
+            del self.opening_ids[episode_id]
+            self.cancelled.discard(episode_id)
+        return cancelled
 
     def end(self, ep: Episode, outcome: str | None = None) -> None:
         """Count a finished episode (its outcome from its last step unless given) and free its state; once."""
@@ -167,11 +184,17 @@ class EpisodeTable:
         if ep.turn:
             self.metrics.turns.labels(ep.env.name).observe(ep.turn)
 
-    def close(self, episode_id: str) -> Episode | None:
+    def close(self, episode_id: str) -> bool:
+        """Forget an episode; one still being opened is let go when its reset ends (the client that closes it has
+        given up on the reset's answer). False: no such episode here."""
         ep = self.episodes.pop(episode_id, None)
-        if ep is not None and not ep.done:
+        if ep is None:
+            if episode_id not in self.opening_ids:
+                return False
+            self.cancelled.add(episode_id)
+        elif not ep.done:
             self.end(ep, "closed")
-        return ep
+        return True
 
     def sweep(self) -> int:
         """Drop the episodes idle past the TTL (a done one is kept as long, for retried steps); how many."""

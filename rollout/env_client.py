@@ -10,8 +10,9 @@ is the environment's own failure: not retried, the episode is begun again); rese
 (the protocol answers a repeated one the same). An episode lives in one instance: its steps go to the address its
 reset went to. When the service's host name resolves to several addresses (a headless Service, compose
 replicas), each reset goes to the next one, so the episodes spread and an episode begun again after its instance
-died goes elsewhere. `EnvUnavailable`: no answer after the retries; `EnvRejected`: a 4xx or a 500 (a task the
-environment refuses, an episode the instance no longer has, an environment that failed).
+died goes elsewhere. A reset given up without an answer is closed where it went (it may have opened the episode
+there). `EnvUnavailable`: no answer after the retries; `EnvRejected`: a 4xx or a 500 (a task the environment
+refuses, an episode the instance no longer has, an environment that failed).
 """
 
 from __future__ import annotations
@@ -117,7 +118,13 @@ class EnvClient:
         reset may have happened there); a new episode goes to the next instance."""
         base = self._pick()
         body = {"env": env, "episode_id": episode_id, **task}
-        return Opening(base, ResetResponse.model_validate(self._call("POST", f"{base}/v1/episodes", body)))
+        try:
+            return Opening(base, ResetResponse.model_validate(self._call("POST", f"{base}/v1/episodes", body)))
+        except EnvRejected:  # refused: nothing was opened
+            raise
+        except Exception:  # no answer, or one that does not read: the instance may hold the episode, so close it
+            self.close(base, episode_id)  # (not left to the service's idle TTL, holding one of its few sessions)
+            raise
 
     def step(self, base: str, episode_id: str, turn: int, content: str) -> StepResponse:
         body = {"turn": turn, "message": {"role": "assistant", "content": content}}

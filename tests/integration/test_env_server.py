@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from env_server.conformance import Checker
+from rollout.env_client import EnvClient, EnvUnavailable
 from services.child_process import ROOT, child_env, running
 from services.tool_calls import render_call
 from tests.integration.env_http import reset, step
@@ -202,6 +203,23 @@ def test_concurrent_resets_never_overshoot_the_capacity() -> None:
         with ThreadPoolExecutor(6) as pool:
             codes = sorted(pool.map(one, range(6)))
         assert codes == [200, 200, 429, 429, 429, 429], codes
+
+
+def test_a_reset_whose_answer_is_lost_is_closed_at_once_not_held_until_the_ttl() -> None:
+    """The replica's client gives up on a slow reset (its answer lost) and closes the episode it may have opened;
+    the service, still opening it, lets it go when the reset ends: the room is free again at once, not after the
+    idle TTL (with a service's few sessions, a lost reset would otherwise mean 429s for ten minutes)."""
+    args = ("--max-open-episodes", "1", "--env-classes", "tests.integration.env_plugins:Sleepy")  # TTL: 600 s
+    with running("env_server", *args, ready_path="/readyz") as (base, _):
+        envs = EnvClient(base, timeout_s=0.3, retries=0)
+        with pytest.raises(EnvUnavailable):
+            envs.reset("sleepy", {"task": {"reset_seconds": 1.0}}, episode_id="lost-1")
+        time.sleep(1.2)  # the reset ends on the service
+        opening = envs.reset("sleepy", {"task": {}}, episode_id="next-1")  # the one room: a 429 if "lost-1" held it
+        assert opening.response.episode_id == "next-1"
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'dapo_env_episodes_total{env="sleepy",outcome="closed"} 1.0' in metrics
+        assert "dapo_env_episodes_open 1.0" in metrics
 
 
 def test_metrics_count_episodes_turns_and_tool_calls(http: httpx.Client) -> None:
