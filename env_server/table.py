@@ -188,11 +188,11 @@ class EpisodeTable:
         """Forget an episode; one still being opened is let go when its reset ends (the client that closes it has
         given up on the reset's answer). False: no such episode here."""
         ep = self.episodes.pop(episode_id, None)
-        if ep is None:
-            if episode_id not in self.opening_ids:
-                return False
+        if episode_id in self.opening_ids:  # (a retry of an opened one too: it would add it again)
             self.cancelled.add(episode_id)
-        elif not ep.done:
+        elif ep is None:
+            return False
+        if ep is not None and not ep.done:
             self.end(ep, "closed")
         return True
 
