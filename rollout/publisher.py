@@ -11,7 +11,8 @@ ScoredGroup per prompt, tagged with the policy version of the
 weights that generated it (and, from continuous batching, of every token: Sample schema 3's version_runs), is
 published and its prompt acknowledged in the same server-side step: a prompt is never acknowledged unpublished.
 If the reward server stays down past the retries, the groups are held (their prompts stay pending and are kept
-alive by the loop: no other replica reclaims them, their delivery count does not grow) and scored again with
+alive by the loop, and between the tries of a request: no other replica reclaims them, their delivery count does
+not grow) and scored again with
 backoff; the loop reads nothing new meanwhile, so an outage never dead-letters a prompt. A prompt whose own
 scoring request the server refuses (4xx) is dead-lettered with the answer; `dapo-mesh redrive` puts it back.
 """
@@ -161,7 +162,8 @@ class Publisher:
         """One request to the reward server for every sample; raises RewardUnavailable / RewardRejected."""
         tasks = [d.message for d in gen.deliveries]
         t0 = time.perf_counter()
-        results = iter(self.reward.score(score_items(tasks, gen.outs, self.s.max_response_tokens)))
+        items = score_items(tasks, gen.outs, self.s.max_response_tokens)
+        results = iter(self.reward.score(items, between_tries=self.consumer.keep_alive))
         self.m.reward_seconds.observe(time.perf_counter() - t0)
         groups = []
         for task, prompt, o, version in zip(tasks, gen.prompts, gen.outs, gen.versions, strict=True):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import httpx
@@ -40,11 +40,14 @@ class RewardClient:
         self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
         self.retries = retries
 
-    def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
+    def score(self, items: list[ScoreItem], between_tries: Callable[[], object] = lambda: None) -> list[ScoreResult]:
+        """`between_tries`: called before each wait for the next try (a replica keeps its prompts alive there: a
+        server that hangs costs up to (retries + 1) x timeout_s, past the time after which they are reclaimed)."""
         call = retry(
             retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(self.retries + 1),
             wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
+            before_sleep=lambda _: between_tries(),
             reraise=True,
         )(self._post)
         try:

@@ -16,8 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from prometheus_client import CollectorRegistry
 
+from rollout.engines.base import Completion
+from rollout.metrics import RolloutMetrics
+from rollout.publisher import Generated, Publisher
 from rollout.reward_client import RewardClient, RewardUnavailable
+from rollout.settings import RolloutSettings
 from services.child_process import child_env, running
 from services.redis_server import EmbeddedRedis
 from services.schemas import PromptTask, ScoreItem
@@ -80,6 +85,35 @@ def test_reward_server_stopped_client_gives_up_then_recovers(stopped_later: list
         os.kill(proc.pid, signal.SIGCONT)
         assert client.score([item])[0].acc
         client.close()
+
+
+@pytest.mark.slow
+def test_a_hung_reward_server_does_not_let_the_held_prompts_be_reclaimed(
+    tmp_path: Path, stopped_later: list[int]
+) -> None:
+    """The publisher's scoring tries take longer than the claim time (a server that takes the request and never
+    answers): between tries the replica keeps its prompts alive, so no other replica reclaims them (which would
+    grow their delivery count towards a dead letter); the prompts are held, not lost."""
+    with EmbeddedRedis(tmp_path / "redis") as server, running("reward_server", ready_path="/readyz") as (base, proc):
+        client = connect(server.url)
+        ours = StreamConsumer(client, "s", "g", "r0", PromptTask, claim_idle_ms=3000)
+        theirs = StreamConsumer(client, "s", "g", "r1", PromptTask, claim_idle_ms=3000, create_group=False)
+        StreamProducer(client, "s").publish_many([example_task(i) for i in range(2)])
+        held = ours.read(count=2, block_ms=100)
+        assert len(held) == 2
+        s = RolloutSettings(model_dir="/nonexistent")  # type: ignore[call-arg]
+        publisher = Publisher(
+            s, ours, RewardClient(base, timeout_s=0.6, retries=3), RolloutMetrics(CollectorRegistry())
+        )
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped_later.append(proc.pid)
+        out = [Completion([5, 6], "Answer: 4", [-0.1, -0.1], "stop")]
+        took, err = seconds(lambda: publisher.publish(Generated(held, [[1, 2], [1, 2]], [out, out], [0, 0])))
+        assert err is None and publisher.held is not None and took > 3.0, took  # tried past the claim time
+        # (each gap between tries, the timeout and a backoff of at most 0.8 s + jitter, is within the claim time)
+        assert theirs.read(count=2, block_ms=100) == []  # still r0's: kept alive between the tries
+        pending = client.xpending_range("s", "g", "-", "+", 10)
+        assert {p["consumer"] for p in pending} == {b"r0"} and {p["times_delivered"] for p in pending} == {1}
 
 
 SILENT_RANK0 = """
