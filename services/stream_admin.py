@@ -45,8 +45,10 @@ def safe_trim(client: redis.Redis, stream: str, *, keep_last: int = 0) -> int:
         for g in groups:
             name = g["name"]
             bound = parse_id(next_id(as_str(g["last-delivered-id"])))
-            if int(g["pending"]):
-                bound = min(bound, parse_id(as_str(client.xpending(stream, name)["min"])))
+            if int(g["pending"]):  # (XPENDING's own count: the entries may be acked since XINFO's)
+                summary = client.xpending(stream, name)
+                if int(summary["pending"]):
+                    bound = min(bound, parse_id(as_str(summary["min"])))
             floor = bound if floor is None else min(floor, bound)
         assert floor is not None
         if keep_last > 0:
