@@ -5,14 +5,16 @@
     out = envs.step(opening.base, "t-9.ab12.3.0", turn=1, content=text)
     envs.close(opening.base, "t-9.ab12.3.0")
 
-Every call has a timeout and bounded retries with backoff on a transport error, a 429 and a 502/503/504 (a 500
-is the environment's own failure: not retried, the episode is begun again); resets and steps are safe to retry
-(the protocol answers a repeated one the same). An episode lives in one instance: its steps go to the address its
-reset went to. When the service's host name resolves to several addresses (a headless Service, compose
-replicas), each reset goes to the next one, so the episodes spread and an episode begun again after its instance
-died goes elsewhere. A reset given up without an answer is closed where it went (it may have opened the episode
-there). `EnvUnavailable`: no answer after the retries; `EnvRejected`: a 4xx or a 500 (a task the environment
-refuses, an episode the instance no longer has, an environment that failed).
+Every call has a timeout and bounded retries with backoff on a transport error, a 429 and a 502/503 (a 500 is
+the environment's own failure, a 504 a reset slower than the service allows: not retried, the episode is begun
+again, and counts against the prompt's retries — a reset that always hangs must not hold its prompt, and the
+service's workers, for ever as an outage would); resets and steps are safe to retry (the protocol answers a
+repeated one the same). An episode lives in one instance: its steps go to the address its reset went to. When the
+service's host name resolves to several addresses (a headless Service, compose replicas), each reset goes to the
+next one, so the episodes spread and an episode begun again after its instance died goes elsewhere. A reset given
+up without an answer is closed where it went (it may have opened the episode there). `EnvUnavailable`: no answer
+after the retries; `EnvRejected`: a 4xx, a 500 or a 504 (a task the environment refuses, an episode the instance
+no longer has, an environment that failed or is too slow).
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ class EnvRejected(RuntimeError):
         self.status = status
 
 
+_RETRIED = (429, 502, 503)  # no room, an upstream (OpenEnv) or the service not there: an outage
+
+
 def _retryable(e: BaseException) -> bool:
     if isinstance(e, httpx.TransportError):
         return True
-    return isinstance(e, httpx.HTTPStatusError) and e.response.status_code in (429, 502, 503, 504)
+    return isinstance(e, httpx.HTTPStatusError) and e.response.status_code in _RETRIED
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class EnvClient:
         )
         def once() -> Any:
             r = self.http.request(method, url, json=body)
-            if r.status_code in (429, 502, 503, 504):
+            if r.status_code in _RETRIED:
                 r.raise_for_status()
             return r
 
@@ -119,12 +124,16 @@ class EnvClient:
         base = self._pick()
         body = {"env": env, "episode_id": episode_id, **task}
         try:
-            return Opening(base, ResetResponse.model_validate(self._call("POST", f"{base}/v1/episodes", body)))
+            opening = Opening(base, ResetResponse.model_validate(self._call("POST", f"{base}/v1/episodes", body)))
         except EnvRejected:  # refused: nothing was opened
             raise
         except Exception:  # no answer, or one that does not read: the instance may hold the episode, so close it
             self.close(base, episode_id)  # (not left to the service's idle TTL, holding one of its few sessions)
             raise
+        if self.closing.is_set():  # answered after the replica began to leave: nobody will step it
+            self.close(base, episode_id)
+            raise EnvUnavailable("leaving")
+        return opening
 
     def step(self, base: str, episode_id: str, turn: int, content: str) -> StepResponse:
         body = {"turn": turn, "message": {"role": "assistant", "content": content}}

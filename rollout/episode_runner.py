@@ -139,6 +139,7 @@ class EpisodeRunner:
         self.ready: list[_Live] = []  # episodes whose next model turn awaits submission
         self.generating: dict[str, _Live] = {}  # engine key -> episode
         self.groups: list[_Group] = []
+        self.closes: dict[Future[None], tuple[str, str]] = {}  # the service told to forget (base, episode id)
         self.live = 0  # episodes begun and not finished
         self.live_env = 0  # ... of them, environments' (not one-step)
 
@@ -281,7 +282,8 @@ class EpisodeRunner:
             if ended is not None:
                 self.m.episodes.labels(lv.group.env, ended).inc()
         if lv.base:
-            self.pool.submit(self.client.close, lv.base, lv.id)
+            self.closes = {f: k for f, k in self.closes.items() if not f.done()}
+            self.closes[self.pool.submit(self.client.close, lv.base, lv.id)] = (lv.base, lv.id)
 
     def _fail(self, lv: _Live, why: str, retry: bool = True) -> None:
         self._leave(lv, "failed")
@@ -390,10 +392,20 @@ class EpisodeRunner:
         self.groups = [g for g in self.groups if g not in out]
         return [(g.delivery, g.dead_letter_kind, g.failed or "") for g in out]
 
-    def close(self) -> None:
-        """Leaving: waits and retries end at once, nothing new starts; the prompts stay pending for another replica."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Leaving: waits and retries end at once, nothing new starts; the prompts stay pending for another replica.
+        The service is told to forget the episodes opened here, in `timeout_s` at most (best effort), so they do
+        not hold its sessions until its idle TTL: the live ones, and those whose close had not gone out yet (a
+        reset still in flight closes its episode itself: EnvClient.reset)."""
         self.client.closing.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        held = [lv for lv in [*self.ready, *self.generating.values(), *self.calls.values()] if lv.base]
+        left = {(lv.base, lv.id) for lv in held} | {k for f, k in self.closes.items() if f.cancelled()}
+        if not left:
+            return
+        pool = ThreadPoolExecutor(min(8, len(left)), thread_name_prefix="env-close")
+        wait([pool.submit(self.client.close, base, eid) for base, eid in left], timeout=timeout_s)
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def run_items(

@@ -128,9 +128,11 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
                 app = create_gateway_app(gateway, reward_client(s))
                 servers.append(serve_in_thread(app, s, port=s.gateway_port))
             log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, member.engine.version)
-            while not stop.is_set() and (s.max_prompts is None or replica.publisher.done < s.max_prompts):
-                loop.step()
-            loop.close()
+            try:
+                while not stop.is_set() and (s.max_prompts is None or replica.publisher.done < s.max_prompts):
+                    loop.step()
+            finally:  # a crash too: the episodes open on the environment service are closed
+                loop.close()
             return replica
         finally:
             for server in servers:

@@ -5,6 +5,7 @@ service; capacity (429 + Retry-After) and idle expiry; metrics."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -14,10 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from env_server.conformance import Checker
+from learner.tiny import tiny_tokenizer
+from rollout.engines.base import SamplingParams
 from rollout.env_client import EnvClient, EnvUnavailable
+from rollout.episode_runner import EpisodeRunner
+from rollout.metrics import RolloutMetrics
+from rollout.settings import RolloutSettings
 from services.child_process import ROOT, child_env, running
+from services.schemas import PromptTask
+from services.streams import Delivery
 from services.tool_calls import render_call
 from tests.integration.env_http import reset, step
 from tests.integration.third_party_env import serve
@@ -220,6 +229,29 @@ def test_a_reset_whose_answer_is_lost_is_closed_at_once_not_held_until_the_ttl()
         metrics = httpx.get(f"{base}/metrics").text
         assert 'dapo_env_episodes_total{env="sleepy",outcome="closed"} 1.0' in metrics
         assert "dapo_env_episodes_open 1.0" in metrics
+
+
+def test_a_replica_that_leaves_closes_the_episodes_it_holds_open() -> None:
+    """A replica's episode runner told to leave (SIGTERM, a crash of its loop) closes every episode it opened on
+    the service — those awaiting their model turn as well as those whose close was still queued — instead of
+    leaving them to the idle TTL."""
+    with running("env_server", "--episode-ttl-s", "600", ready_path="/readyz") as (base, _):
+        s = RolloutSettings(model_dir="/nonexistent", env_url=base)  # type: ignore[call-arg]
+        runner = EpisodeRunner(s, tiny_tokenizer(), RolloutMetrics(CollectorRegistry()))
+        for i in range(3):
+            t = PromptTask(task_id=f"t{i}", prompt_id=f"p{i}", prompt="retry", ground_truth=json.dumps({"seed": i}),
+                           verifier="env:retry", data_source="env/retry", n_samples=2)  # fmt: skip
+            runner.start(Delivery(f"1-{i}", t, 1), SamplingParams(max_tokens=8))
+        deadline = time.monotonic() + 30
+        while len(runner.ready) < 6:  # every reset answered: the episodes wait for their model turns
+            assert time.monotonic() < deadline, "the resets did not come back"
+            runner.wait(1.0)
+            runner.collect()
+        assert "dapo_env_episodes_open 6.0" in httpx.get(f"{base}/metrics").text
+        runner.close()
+        metrics = httpx.get(f"{base}/metrics").text
+        assert "dapo_env_episodes_open 0.0" in metrics
+        assert 'dapo_env_episodes_total{env="retry",outcome="closed"} 6.0' in metrics
 
 
 def test_metrics_count_episodes_turns_and_tool_calls(http: httpx.Client) -> None:

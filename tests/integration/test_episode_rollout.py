@@ -159,27 +159,31 @@ def dead_letters(client: redis.Redis) -> list[dict[bytes, bytes]]:
 
 
 def test_an_environment_that_fails_is_begun_again_then_dead_lettered(model_dir: Path, server: EmbeddedRedis) -> None:
-    """An environment whose step raises (`error` in the answer): each episode is begun again, then the prompt is
-    dead-lettered with the reason; a malformed environment task is dead-lettered at once."""
+    """An environment whose step raises (`error` in the answer) or whose reset is slower than the service allows
+    (504): each episode is begun again, then the prompt is dead-lettered with the reason (a slow reset is not an
+    outage to wait out for ever); a malformed environment task is dead-lettered at once."""
     client = connect(server.url)
     ensure_group(client, STREAM_PROMPTS, "rollout")
     broken = [t.model_copy(update={"verifier": "env:broken"}) for t in env_tasks(2)]
+    slow = env_tasks(1)[0].model_copy(update={"task_id": "slow", "verifier": "env:sleepy",
+                                              "ground_truth": json.dumps({"task": {"reset_seconds": 1.5}})})  # fmt: skip
     bad = env_tasks(1)[0].model_copy(update={"task_id": "bad", "ground_truth": "17"})
-    StreamProducer(client, STREAM_PROMPTS).publish_many([*broken, bad])
-    plugins = ("--env-classes", "tests.integration.env_plugins:Broken")
-    with running("env_server", *plugins, ready_path="/readyz") as (url, _):
+    StreamProducer(client, STREAM_PROMPTS).publish_many([*broken, slow, bad])
+    plugins = ("--env-classes", "tests.integration.env_plugins:Broken,tests.integration.env_plugins:Sleepy")
+    with running("env_server", *plugins, "--step-timeout-s", "1", ready_path="/readyz") as (url, _):
         proc = start(model_dir, server.url, "http://127.0.0.1:9", "r0", "--env-url", url, "--episode-retries", "1")
         try:
             deadline = time.monotonic() + 120
-            while len(dead_letters(client)) < 3:
+            while len(dead_letters(client)) < 4:
                 assert time.monotonic() < deadline, f"dead letters: {dead_letters(client)}"
                 time.sleep(0.2)
         finally:
             stop(proc)
     kinds = sorted(f[b"kind"].decode() for f in dead_letters(client))
-    assert kinds == ["env_failed", "env_failed", "env_task_invalid"], kinds
+    assert kinds == ["env_failed", "env_failed", "env_failed", "env_task_invalid"], kinds
     detail = b" ".join(f[b"reason"] for f in dead_letters(client)).decode()
     assert "failed 2 times" in detail and "RuntimeError: a bug in the environment" in detail
+    assert "(504): sleepy took over 1 s to reset" in detail
     assert '{"seed": n[, "split": s]}' in detail  # what an env task's ground truth must be
     assert groups(client) == []
 
