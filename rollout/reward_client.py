@@ -43,11 +43,15 @@ class RewardClient:
     def score(self, items: list[ScoreItem], between_tries: Callable[[], object] = lambda: None) -> list[ScoreResult]:
         """`between_tries`: called before each wait for the next try (a replica keeps its prompts alive there: a
         server that hangs costs up to (retries + 1) x timeout_s, past the time after which they are reclaimed)."""
+
+        def keep_alive(_: object) -> None:
+            between_tries()
+
         call = retry(
             retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(self.retries + 1),
             wait=wait_exponential_jitter(multiplier=0.2, max=5.0),
-            before_sleep=lambda _: between_tries(),
+            before_sleep=keep_alive,
             reraise=True,
         )(self._post)
         try:

@@ -165,8 +165,8 @@ def test_an_environment_that_fails_is_begun_again_then_dead_lettered(model_dir: 
     client = connect(server.url)
     ensure_group(client, STREAM_PROMPTS, "rollout")
     broken = [t.model_copy(update={"verifier": "env:broken"}) for t in env_tasks(2)]
-    slow = env_tasks(1)[0].model_copy(update={"task_id": "slow", "verifier": "env:sleepy",
-                                              "ground_truth": json.dumps({"task": {"reset_seconds": 1.5}})})  # fmt: skip
+    slow_reset = json.dumps({"task": {"reset_seconds": 1.5}})  # past the service's --step-timeout-s: a 504
+    slow = env_tasks(1)[0].model_copy(update={"task_id": "slow", "verifier": "env:sleepy", "ground_truth": slow_reset})
     bad = env_tasks(1)[0].model_copy(update={"task_id": "bad", "ground_truth": "17"})
     StreamProducer(client, STREAM_PROMPTS).publish_many([*broken, slow, bad])
     plugins = ("--env-classes", "tests.integration.env_plugins:Broken,tests.integration.env_plugins:Sleepy")

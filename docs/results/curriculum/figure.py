@@ -25,7 +25,8 @@ from mesh.ablate import step_rows as steps  # noqa: E402
 HERE = Path("docs/results/curriculum")
 POLICIES = {"uniform": "uniform", "curriculum (default)": "curriculum", "curriculum, streak decay": "curriculum-streak"}
 SEEDS = (1, 2, 3)
-HARD = {"curriculum": "hard", "uniform": "hard-uniform", "curriculum, class prior": "hard-class45"}  # (hard-class: 18 steps)
+# the class prior's run to v45 (hard-class.metrics.jsonl: its first run, 18 steps, in the page's table only)
+HARD = {"curriculum": "hard", "uniform": "hard-uniform", "curriculum, class prior": "hard-class45"}
 
 
 def rows(name: str) -> list[dict[str, Any]]:
