@@ -2,12 +2,12 @@
 
 app = build_app(EnvSettings())      # python -m env_server runs it under uvicorn
 
-Status codes: 404 an unknown environment or episode; 409 a step out of order, on a finished episode, or a reset
-reusing an id for another task, a retried step that asks with another message; 422 a body or task that does not
-validate; 429 (Retry-After) no room for another
-episode or no worker free in time; 502 an upstream environment server (OpenEnv) unreachable; 504 a reset past the
-time limit. An environment that fails or hangs in a step ends that episode with
-`error` set (200): the model is not to blame, the episode is not to be trained.
+Status codes: 404 an unknown environment or episode (a reset's too, when its episode was closed while it ran); 409
+a step out of order, on a finished episode, or a reset reusing an id for another task, a retried step that asks with
+another message; 422 a body or task that does not validate; 429 (Retry-After) no room for another episode or no
+worker free in time; 502 an upstream environment server (OpenEnv) unreachable; 504 a reset past the time limit. An
+environment that fails or hangs in a step ends that episode with `error` set (200): the model is not to blame, the
+episode is not to be trained.
 """
 
 from __future__ import annotations
@@ -129,10 +129,9 @@ class Service:
             log.exception("%s failed to reset", env.name)
             raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, f"{env.name} failed to reset: {e}") from None
         finally:
-            closed = self.table.end_opening(episode_id)
+            closed = self.table.end_opening(env, episode_id)
         if closed:  # while it was being opened: its client gave up on this answer
             release(env, state)
-            self.metrics.episodes.labels(env.name, "closed").inc()
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"episode {episode_id!r} was closed while it was opening")
         if req.episode_id and (ep := self.table.get(req.episode_id)) is not None:  # the same reset, concurrently
             release(env, state)  # this one's state is not kept

@@ -135,7 +135,7 @@ class EpisodeTable:
         self.episodes: dict[str, Episode] = {}
         self.opening = 0  # resets in flight: counted against max_open_episodes before they finish
         self.opening_ids: collections.Counter[str] = collections.Counter()  # their episode ids
-        self.cancelled: set[str] = set()  # ids closed while their reset was in flight: not to be kept
+        self.cancelled: dict[str, bool] = {}  # ids closed while a reset of theirs ran: not to be kept (counted?)
         metrics.episodes_open.set_function(lambda: len(self.episodes))
 
     def get(self, episode_id: str) -> Episode | None:
@@ -155,14 +155,18 @@ class EpisodeTable:
         self.opening += 1
         self.opening_ids[episode_id] += 1
 
-    def end_opening(self, episode_id: str) -> bool:
-        """A reset of `episode_id` is over (opened or failed); whether the episode was closed meanwhile."""
+    def end_opening(self, env: Environment, episode_id: str) -> bool:
+        """A reset of `episode_id` is over (opened or failed); whether the episode was closed meanwhile (then its
+        state is not to be kept; the close is counted once, here or when an opened episode was closed)."""
         self.opening -= 1
         self.opening_ids[episode_id] -= 1
         cancelled = episode_id in self.cancelled
+        if cancelled and not self.cancelled[episode_id]:
+            self.metrics.episodes.labels(env.name, "closed").inc()
+            self.cancelled[episode_id] = True
         if self.opening_ids[episode_id] <= 0:
             del self.opening_ids[episode_id]
-            self.cancelled.discard(episode_id)
+            self.cancelled.pop(episode_id, None)
         return cancelled
 
     def end(self, ep: Episode, outcome: str | None = None) -> None:
@@ -189,7 +193,7 @@ class EpisodeTable:
         given up on the reset's answer). False: no such episode here."""
         ep = self.episodes.pop(episode_id, None)
         if episode_id in self.opening_ids:  # (a retry of an opened one too: it would add it again)
-            self.cancelled.add(episode_id)
+            self.cancelled[episode_id] = self.cancelled.get(episode_id, False) or ep is not None
         elif ep is None:
             return False
         if ep is not None and not ep.done:

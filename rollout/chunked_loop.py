@@ -60,4 +60,7 @@ class ChunkedLoop:
         self.m.tokens_per_second.set(r.membership.tokens_per_s)
 
     def close(self) -> None:
-        """Nothing to drop: between two steps no engine call is running."""
+        """No engine call to drop (between two steps none is running); episodes left open by a step that raised
+        are closed on the environment service."""
+        self.episodes.close()
+        self.r.evaluator.close()

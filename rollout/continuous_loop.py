@@ -80,11 +80,13 @@ class ContinuousLoop:
         return published
 
     def close(self) -> None:
-        """Leave: the sequences in flight are dropped; their prompts stay pending for another replica."""
-        self.engine.abort()
+        """Leave: the sequences in flight are dropped; their prompts stay pending for another replica. The episodes
+        are closed on the environment service first (an engine that died may not abort)."""
         self.episodes.close()
         if self._eval_episodes is not None:
             self._eval_episodes.close()
+        self.r.evaluator.close()
+        self.engine.abort()
 
     def sync_weights(self) -> None:
         """keep/recompute: load now, sequences in flight; drain: stop admitting, load when none is in flight."""

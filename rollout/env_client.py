@@ -125,10 +125,8 @@ class EnvClient:
         body = {"env": env, "episode_id": episode_id, **task}
         try:
             opening = Opening(base, ResetResponse.model_validate(self._call("POST", f"{base}/v1/episodes", body)))
-        except EnvRejected:  # refused: nothing was opened
-            raise
-        except Exception:  # no answer, or one that does not read: the instance may hold the episode, so close it
-            self.close(base, episode_id)  # (not left to the service's idle TTL, holding one of its few sessions)
+        except Exception:  # no answer, one that does not read, or a refusal after a try whose answer was lost: the
+            self.close(base, episode_id)  # instance may hold the episode, so close it (not left to its idle TTL)
             raise
         if self.closing.is_set():  # answered after the replica began to leave: nobody will step it
             self.close(base, episode_id)

@@ -13,7 +13,8 @@ keep generating (continuous batching), and a weight update between two turns giv
 new version. The episode ends when the environment says done (its reward), at `max_turns` (the environment cuts
 it), or when its tokens would pass `--max-episode-tokens` (cut here: `max_tokens`, the reward of a failure).
 
-An environment that fails (a 4xx such as a lost episode after its instance died, a 500, or `error` in a step)
+An environment that fails (a 4xx such as a lost episode after its instance died, a 500, a 504 — a reset slower
+than the service allows —, or `error` in a step)
 fails the episode: it is begun again from its reset, under a new id (so on another instance when there are
 several), up to `--episode-retries` times; then the whole prompt is dead-lettered (`env_failed`) — nothing of a
 failed episode is ever published. A service that does not answer at all after the client's retries is an outage,
@@ -34,6 +35,7 @@ environment step of the round before the next: the evaluation's way, and the bas
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -392,20 +394,37 @@ class EpisodeRunner:
         self.groups = [g for g in self.groups if g not in out]
         return [(g.delivery, g.dead_letter_kind, g.failed or "") for g in out]
 
+    def _close_opened(self, f: Future[Any], *, episode_id: str) -> None:
+        if isinstance(o := _result(f), Opening):
+            self.client.close(o.base, episode_id)
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Leaving: waits and retries end at once, nothing new starts; the prompts stay pending for another replica.
         The service is told to forget the episodes opened here, in `timeout_s` at most (best effort), so they do
-        not hold its sessions until its idle TTL: the live ones, and those whose close had not gone out yet (a
-        reset still in flight closes its episode itself: EnvClient.reset)."""
+        not hold its sessions until its idle TTL: the live ones, those whose reset answered and was not collected
+        yet, and those whose close had not gone out; a reset still running closes its episode when it answers."""
+        if self.client.closing.is_set():  # closed before (a stopped round, then the loop's close)
+            return
         self.client.closing.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         held = [lv for lv in [*self.ready, *self.generating.values(), *self.calls.values()] if lv.base]
         left = {(lv.base, lv.id) for lv in held} | {k for f, k in self.closes.items() if f.cancelled()}
+        for f, lv in self.calls.items():
+            if not lv.base:  # a reset: answered and not collected yet, or still running (closed when it answers)
+                if f.done():
+                    left |= {(o.base, lv.id)} if isinstance(o := _result(f), Opening) else set()
+                else:
+                    f.add_done_callback(functools.partial(self._close_opened, episode_id=lv.id))
         if not left:
             return
         pool = ThreadPoolExecutor(min(8, len(left)), thread_name_prefix="env-close")
         wait([pool.submit(self.client.close, base, eid) for base, eid in left], timeout=timeout_s)
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _result(f: Future[Any]) -> Any:
+    """A finished call's result; None when it was cancelled or raised."""
+    return None if f.cancelled() or f.exception() is not None else f.result()
 
 
 def run_items(

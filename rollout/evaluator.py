@@ -61,6 +61,11 @@ class Evaluator:
             self._episodes = EpisodeRunner(self.s, engine.tokenizer, self.m, hold_outages=False)
         return self._episodes
 
+    def close(self) -> None:
+        """Leaving: the held-out episodes still open are closed on the environment service."""
+        if self._episodes is not None:
+            self._episodes.close()
+
     def due(self, version: int) -> bool:
         """An evaluation of the weights of this version is to run now."""
         return self.s.eval_every is not None and version >= self.next_eval and self.retry_in() <= 0

@@ -132,7 +132,10 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
                 while not stop.is_set() and (s.max_prompts is None or replica.publisher.done < s.max_prompts):
                     loop.step()
             finally:  # a crash too: the episodes open on the environment service are closed
-                loop.close()
+                try:
+                    loop.close()
+                except Exception:  # the crash's own exception (if any) is the one to raise
+                    log.exception("closing the rollout loop")
             return replica
         finally:
             for server in servers:

@@ -6,11 +6,12 @@ service; capacity (429 + Retry-After) and idle expiry; metrics."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -223,35 +224,53 @@ def test_a_reset_whose_answer_is_lost_is_closed_at_once_not_held_until_the_ttl()
         envs = EnvClient(base, timeout_s=0.3, retries=0)
         with pytest.raises(EnvUnavailable):
             envs.reset("sleepy", {"task": {"reset_seconds": 1.0}}, episode_id="lost-1")
-        time.sleep(1.2)  # the reset ends on the service
+        closed = 'dapo_env_episodes_total{env="sleepy",outcome="closed"} 1.0'
+        until(lambda: closed in httpx.get(f"{base}/metrics").text, "the lost reset to end, closed")
         opening = envs.reset("sleepy", {"task": {}}, episode_id="next-1")  # the one room: a 429 if "lost-1" held it
         assert opening.response.episode_id == "next-1"
         metrics = httpx.get(f"{base}/metrics").text
-        assert 'dapo_env_episodes_total{env="sleepy",outcome="closed"} 1.0' in metrics
-        assert "dapo_env_episodes_open 1.0" in metrics
+        assert closed in metrics and "dapo_env_episodes_open 1.0" in metrics
+
+
+def until(ok: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}"
+        time.sleep(0.1)
 
 
 def test_a_replica_that_leaves_closes_the_episodes_it_holds_open() -> None:
     """A replica's episode runner told to leave (SIGTERM, a crash of its loop) closes every episode it opened on
-    the service — those awaiting their model turn as well as those whose close was still queued — instead of
-    leaving them to the idle TTL."""
+    the service — those awaiting their model turn, those whose reset has answered and not been collected yet, and
+    those whose reset is still running (closed when it answers) — instead of leaving them to the idle TTL."""
     with running("env_server", "--episode-ttl-s", "600", ready_path="/readyz") as (base, _):
         s = RolloutSettings(model_dir="/nonexistent", env_url=base)  # type: ignore[call-arg]
-        runner = EpisodeRunner(s, tiny_tokenizer(), RolloutMetrics(CollectorRegistry()))
-        for i in range(3):
-            t = PromptTask(task_id=f"t{i}", prompt_id=f"p{i}", prompt="retry", ground_truth=json.dumps({"seed": i}),
-                           verifier="env:retry", data_source="env/retry", n_samples=2)  # fmt: skip
-            runner.start(Delivery(f"1-{i}", t, 1), SamplingParams(max_tokens=8))
-        deadline = time.monotonic() + 30
-        while len(runner.ready) < 6:  # every reset answered: the episodes wait for their model turns
-            assert time.monotonic() < deadline, "the resets did not come back"
-            runner.wait(1.0)
-            runner.collect()
-        assert "dapo_env_episodes_open 6.0" in httpx.get(f"{base}/metrics").text
+
+        def started(n: int) -> EpisodeRunner:
+            runner = EpisodeRunner(s, tiny_tokenizer(), RolloutMetrics(CollectorRegistry()))
+            for i in range(n):
+                t = PromptTask(task_id=f"t{i}", prompt_id=f"p{i}", prompt="retry", verifier="env:retry",
+                               ground_truth=json.dumps({"seed": i}), data_source="env/retry", n_samples=2)  # fmt: skip
+                runner.start(Delivery(f"1-{i}", t, 1), SamplingParams(max_tokens=8))
+            return runner
+
+        def counts() -> tuple[str, str]:
+            m = httpx.get(f"{base}/metrics").text
+            closed = re.findall(r'outcome="closed"} (\S+)', m) or ["0.0"]  # (no series before the first)
+            return re.findall(r"^dapo_env_episodes_open (\S+)$", m, re.M)[0], closed[0]
+
+        runner = started(3)
+        until(lambda: runner.collect() or len(runner.ready) == 6, "the resets to come back")  # collected
+        assert counts() == ("6.0", "0.0")
         runner.close()
-        metrics = httpx.get(f"{base}/metrics").text
-        assert "dapo_env_episodes_open 0.0" in metrics
-        assert 'dapo_env_episodes_total{env="retry",outcome="closed"} 6.0' in metrics
+        assert counts() == ("0.0", "6.0")
+        runner = started(2)
+        until(lambda: all(f.done() for f in runner.calls), "the resets to answer")  # not collected
+        runner.close()
+        assert counts() == ("0.0", "10.0")
+        runner = started(2)
+        runner.close()  # the resets in flight
+        until(lambda: counts() == ("0.0", "14.0"), "the resets in flight to be closed as they answer")
 
 
 def test_metrics_count_episodes_turns_and_tool_calls(http: httpx.Client) -> None:
