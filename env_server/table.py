@@ -133,8 +133,7 @@ class EpisodeTable:
     def __init__(self, settings: EnvSettings, metrics: EnvMetrics):
         self.settings, self.metrics = settings, metrics
         self.episodes: dict[str, Episode] = {}
-        self.opening = 0  # resets in flight: counted against max_open_episodes before they finish
-        self.opening_ids: collections.Counter[str] = collections.Counter()  # their episode ids
+        self.opening_ids: collections.Counter[str] = collections.Counter()  # resets in flight, by episode id
         self.cancelled: dict[str, bool] = {}  # ids closed while a reset of theirs ran: not to be kept (counted?)
         metrics.episodes_open.set_function(lambda: len(self.episodes))
 
@@ -144,6 +143,11 @@ class EpisodeTable:
             ep.touched = time.monotonic()
         return ep
 
+    @property
+    def opening(self) -> int:
+        """Resets in flight: counted against max_open_episodes before they finish."""
+        return sum(self.opening_ids.values())
+
     def full(self) -> bool:
         """Room for no more: the episodes held and those being opened (resets in flight) count."""
         return len(self.episodes) + self.opening >= self.settings.max_open_episodes
@@ -152,13 +156,11 @@ class EpisodeTable:
         self.episodes[ep.id] = ep
 
     def begin_opening(self, episode_id: str) -> None:
-        self.opening += 1
         self.opening_ids[episode_id] += 1
 
     def end_opening(self, env: Environment, episode_id: str) -> bool:
         """A reset of `episode_id` is over (opened or failed); whether the episode was closed meanwhile (then its
         state is not to be kept; the close is counted once, here or when an opened episode was closed)."""
-        self.opening -= 1
         self.opening_ids[episode_id] -= 1
         cancelled = episode_id in self.cancelled
         if cancelled and not self.cancelled[episode_id]:
