@@ -124,14 +124,10 @@ class EnvClient:
         base = self._pick()
         body = {"env": env, "episode_id": episode_id, **task}
         try:
-            opening = Opening(base, ResetResponse.model_validate(self._call("POST", f"{base}/v1/episodes", body)))
+            return Opening(base, ResetResponse.model_validate(self._call("POST", f"{base}/v1/episodes", body)))
         except Exception:  # no answer, one that does not read, or a refusal after a try whose answer was lost: the
             self.close(base, episode_id)  # instance may hold the episode, so close it (not left to its idle TTL)
             raise
-        if self.closing.is_set():  # answered after the replica began to leave: nobody will step it
-            self.close(base, episode_id)
-            raise EnvUnavailable("leaving")
-        return opening
 
     def step(self, base: str, episode_id: str, turn: int, content: str) -> StepResponse:
         body = {"turn": turn, "message": {"role": "assistant", "content": content}}
