@@ -110,7 +110,14 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
             replica, loop = build(s, proc.client, reward, metrics, receiver)
             member = replica.membership
             replica.evaluator.stopping = stop.is_set  # SIGTERM ends a seeded evaluation between two engine calls
-            proc.ready_when(lambda: (member.state == "ready", member.state))
+            gateway = getattr(loop, "gateway", None)
+
+            def ready() -> tuple[bool, str]:  # with a gateway: once it listens too (a client is told to come)
+                if member.state == "ready" and gateway is not None and not (servers and servers[0].started):
+                    return False, "the gateway is starting"
+                return member.state == "ready", member.state
+
+            proc.ready_when(ready)
             member.sync_weights()  # a late joiner starts from the newest snapshot, then joins the next round
             member.warm_up()
             metrics.version.set(member.engine.version)
@@ -122,7 +129,6 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
             threading.Thread(target=member.leave_when, args=(stop, beat_stop), name="leave", daemon=True).start()
             if receiver is not None:
                 threading.Thread(target=receiver.run, args=(beat_stop,), name="weight-sync", daemon=True).start()
-            gateway = getattr(loop, "gateway", None)
             if gateway is not None:
                 assert s.gateway_port is not None
                 app = create_gateway_app(gateway, reward_client(s))
