@@ -51,6 +51,7 @@ class BufferMetrics:
             registry=r,
         )
         self.epoch = Gauge("dapo_buffer_epoch", "Dataset epoch of the dispatch cursor.", registry=r)
+        self.leader = Gauge("dapo_buffer_leader", "1 while this buffer holds the lease; 0: standing by.", registry=r)
         self._per_task(r)
 
     def _per_task(self, r: CollectorRegistry) -> None:

@@ -2,8 +2,11 @@
 
     python -m buffer --redis-url URL [--dataset reasoning_gym:chain_sum] [--batch-size 8] ...
 
-Loads the dataset, writes its held-out split (services/datasets.py: eval.jsonl), then runs
-`Buffer.step()` (buffer/service.py) until stopped.
+Loads the dataset, writes its held-out split (services/datasets.py: eval.jsonl), then leads or stands by: one buffer
+of a mesh holds the lease `dapo:buffer:lease` (services/lease.py) and runs `Buffer.step()` (buffer/service.py) until
+stopped; any other waits for the lease and, once it has it, starts from what Redis holds (the cursor, the groups the
+last leader had not batched). A leader that finds its lease taken (it was paused past the TTL) stands down: its
+writes are fenced, so two buffers never put one group in two batches.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import logging
 import threading
 
 from buffer.metrics import BufferMetrics
-from buffer.service import Buffer
+from buffer.service import KEY_LEASE, Buffer
 from buffer.settings import BufferSettings
 from services.datasets import Source, eval_items_path, load_source, write_items
+from services.lease import Lease
 from services.service_process import ServiceProcess
+from services.streams import Fenced, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +39,43 @@ def buffer_source(s: BufferSettings) -> Source:
     )
 
 
-def run(settings: BufferSettings, stop: threading.Event) -> Buffer:
+def run(settings: BufferSettings, stop: threading.Event) -> Buffer | None:
+    """Lead while this process holds the lease, stand by while another does; the last Buffer led (None: never)."""
     s = settings
     with ServiceProcess("buffer", s, loading="loading the dataset") as proc:
         source = buffer_source(s)
         s.run_dir.mkdir(parents=True, exist_ok=True)
         write_items(eval_items_path(s.run_dir), source.eval)  # the held-out split, for evaluation
         log.info("dataset %s: %d training prompts, %d held out", source.name, len(source.train), len(source.eval))
-        buffer = Buffer(s, proc.client, source, BufferMetrics(proc.registry))
-        proc.ready_when(lambda: (buffer.status == "running", buffer.status))
-        while not stop.is_set():
-            buffer.step()
-        return buffer
+        metrics = BufferMetrics(proc.registry)
+        lease = Lease(proc.client, KEY_LEASE, holder=s.consumer_name, ttl_ms=s.lease_ttl_ms)
+        led: list[Buffer] = []
+
+        def ready() -> tuple[bool, str]:
+            if not lease.held or not led:
+                try:
+                    holder = lease.current_holder()
+                except TransportError:
+                    holder = "? (Redis does not answer)"
+                return False, f"standing by: the lease {KEY_LEASE} is held by {holder}"
+            return led[-1].status == "running", led[-1].status
+
+        proc.ready_when(ready)
+        try:
+            while not stop.is_set():
+                if not lease.acquire():
+                    stop.wait(s.lease_ttl_ms / 3000)
+                    continue
+                metrics.leader.set(1)
+                led.append(Buffer(s, proc.client, source, metrics, lease=lease))  # the state as Redis has it now
+                del led[:-1]
+                try:
+                    while not stop.is_set() and lease.renew():
+                        led[-1].step()
+                except Fenced as e:
+                    log.warning("standing down, another buffer leads: %s", e)
+                lease.release()  # ours: given up for a successor; taken: a no-op
+                metrics.leader.set(0)
+        finally:
+            lease.release()
+        return led[-1] if led else None

@@ -41,6 +41,7 @@ from buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, pas
 from buffer.metrics import BufferMetrics
 from buffer.settings import BufferSettings
 from services.datasets import Item, Source, distinct_prompts
+from services.lease import Lease
 from services.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
 from services.stream_admin import safe_trim, stream_stats
 from services.streams import (
@@ -64,6 +65,7 @@ from services.streams import (
 log = logging.getLogger(__name__)
 
 KEY_CURSOR = "dapo:buffer:cursor"
+KEY_LEASE = "dapo:buffer:lease"  # which buffer leads: its holder and token (services/lease.py); the others stand by
 KEY_PUBLISHED = "dapo:buffer:published"  # a set: every group id put in a batch, added with the batch itself
 DISPATCH_CHUNK = 64
 GAUGES_EVERY_S = 1.0  # stream depths and group backlogs for Prometheus (autoscaling, alerts)
@@ -79,8 +81,18 @@ class Cursor:
 
 
 class Buffer:
-    def __init__(self, settings: BufferSettings, client: redis.Redis, source: Source, metrics: BufferMetrics):
-        self.s, self.client, self.source, self.m = settings, client, source, metrics
+    def __init__(
+        self,
+        settings: BufferSettings,
+        client: redis.Redis,
+        source: Source,
+        metrics: BufferMetrics,
+        lease: Lease | None = None,
+    ):
+        """With a `lease` (the runner's), every write that could repeat another buffer's work — the dispatch, a
+        batch, a drop, a dead letter — happens only while the lease holds its token; without one (tests, tools),
+        unfenced."""
+        self.s, self.client, self.source, self.m, self.lease = settings, client, source, metrics, lease
         ensure_group(client, STREAM_PROMPTS, GROUP_ROLLOUT)  # outstanding prompts are countable from the start
         ensure_group(client, STREAM_BATCHES, GROUP_LEARNER)  # batches are kept until the learner acknowledges them
         self.consumer = StreamConsumer(
@@ -92,6 +104,7 @@ class Buffer:
             claim_idle_ms=settings.claim_idle_ms,
             registry=metrics.registry,
         )
+        self.consumer.fence = (lease.key, lease.token) if lease else None
         raw = client.get(KEY_CURSOR)
         self.cursor = Cursor(**json.loads(raw)) if raw else Cursor(seed=settings.shuffle_seed)
         self._order: tuple[int, list[int]] | None = None
@@ -172,12 +185,12 @@ class Buffer:
         self.m.in_flight.set(outstanding)
         n = min(dispatch_budget(s.max_staleness, s.batch_size, outstanding, waiting), DISPATCH_CHUNK)
         version = self.policy_version()
-        pipe = self.client.pipeline(transaction=True)
-        sent = scanned = 0
+        tasks: list[PromptTask] = []
+        scanned = 0
         exhausted = False
-        while sent < n and scanned < n * MAX_SKIPS_PER_SLOT and not exhausted:
+        while len(tasks) < n and scanned < n * MAX_SKIPS_PER_SLOT and not exhausted:
             slots = []
-            for _ in range(n - sent):
+            for _ in range(n - len(tasks)):
                 item = self._next_item()
                 if item is None:
                     exhausted = True
@@ -188,20 +201,31 @@ class Buffer:
                 if not go:
                     self.m.skipped.labels(item.data_source).inc()
                     continue
-                pipe.xadd(STREAM_PROMPTS, encode(self.task(item, epoch, position, version)))  # type: ignore[arg-type]
-                self.m.task_dispatched.labels(item.data_source).inc()
-                sent += 1
+                tasks.append(self.task(item, epoch, position, version))
         if scanned:
-            pipe.set(KEY_CURSOR, json.dumps(asdict(self.cursor)))  # with the tasks, or not at all
-            with redis_errors(self.client):
-                pipe.execute()
-            self.m.dispatched.inc(sent)
+            self._publish_tasks(tasks)
+        sent = len(tasks)
         if exhausted:
             self.status = f"dataset exhausted after {self.s.max_epochs} epochs"
         elif sent or self.status == "starting":
             self.status = "running"
         self.m.epoch.set(self.cursor.epoch)
         return sent
+
+    def _publish_tasks(self, tasks: list[PromptTask]) -> None:
+        """The tasks and the cursor past them in one MULTI/EXEC (fenced by the lease): all of it, or none."""
+        pipe = self.lease.pipeline() if self.lease else self.client.pipeline(transaction=True)
+        for t in tasks:
+            pipe.xadd(STREAM_PROMPTS, encode(t))  # type: ignore[arg-type]
+        pipe.set(KEY_CURSOR, json.dumps(asdict(self.cursor)))
+        if self.lease:
+            self.lease.execute(pipe)
+        else:
+            with redis_errors(self.client):
+                pipe.execute()
+        for t in tasks:
+            self.m.task_dispatched.labels(t.data_source).inc()
+        self.m.dispatched.inc(len(tasks))
 
     def task(self, item: Item, epoch: int, position: int, version: int) -> PromptTask:
         return PromptTask(

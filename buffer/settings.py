@@ -81,6 +81,12 @@ class BufferSettings(ServiceSettings, RedisSettings):
     keep_dropped: int = Field(100_000, ge=0, description="Records kept in dapo:dropped (~150 B each; the audit).")
     consumer_name: str = Field("buffer-0", description="Consumer name in the rollouts stream's group.")
     claim_idle_ms: int = Field(60_000, ge=0, description="Reclaim groups another buffer left idle this long.")
+    lease_ttl_ms: int = Field(
+        10_000,
+        ge=100,
+        description="One buffer leads (a lease in Redis, renewed every third of this); another waits this long "
+        "after the leader stops without giving it up (kill -9, a partition) before it takes over.",
+    )
 
     @model_validator(mode="after")
     def _curriculum_predicts_the_filter(self) -> Self:

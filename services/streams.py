@@ -65,13 +65,17 @@ M = TypeVar("M", bound=Message)
 # Add entries to output streams, then acknowledge inputs, in one server-side step. Unlike MULTI/EXEC
 # (which runs every queued command even after one fails), a script stops at the first error, so the
 # inputs are acknowledged only if every output was added. Single-node Redis: keys need not share a slot.
-# KEYS: output streams..., input stream[, a set].  ARGV: group, n_outputs, n_members, per output (n_fields, k1, v1,
-# ...), set members..., ids...  The set (optional) gets the members in the same step: a record that these inputs'
-# effect happened (the buffer's published groups), as durable as the outputs themselves.
+# KEYS: output streams..., input stream[, a set][, a lease].  ARGV: group, n_outputs, n_members, fence token (''
+# for none), per output (n_fields, k1, v1, ...), set members..., ids...  The set (optional) gets the members in the
+# same step: a record that these inputs' effect happened (the buffer's published groups), as durable as the outputs
+# themselves. With a fence token, nothing happens unless the lease key still holds it (services/lease.py).
 _FORWARD_LUA = """
+if ARGV[4] ~= '' and redis.call('GET', KEYS[#KEYS]) ~= ARGV[4] then
+  return redis.error_reply('FENCED: ' .. KEYS[#KEYS] .. ' no longer holds ' .. ARGV[4])
+end
 local n = tonumber(ARGV[2])
 local m = tonumber(ARGV[3])
-local pos = 4
+local pos = 5
 local added = {}
 for i = 1, n do
   local nf = tonumber(ARGV[pos])
@@ -115,6 +119,10 @@ class TransportError(RuntimeError):
 
 class RedisUnavailable(TransportError):
     """Redis could not be reached after the configured retries."""
+
+
+class Fenced(TransportError):
+    """A write was refused because this process no longer holds the lease that fences it (services/lease.py)."""
 
 
 class DecodeError(ValueError):
@@ -329,6 +337,7 @@ class StreamConsumer(Generic[M]):
         self._claim_cursor = "-"
         self._next_claim = 0.0
         self.held: set[str] = set()  # delivered by read(), not yet acknowledged or released
+        self.fence: tuple[str, str] | None = None  # (lease key, token): acks and publishes only while it holds it
         self._next_touch = 0.0
         self._forward_script = client.register_script(_FORWARD_LUA)
         if create_group:
@@ -480,15 +489,21 @@ class StreamConsumer(Generic[M]):
         record: tuple[str, list[str]] | None = None,
     ) -> list[str]:
         keys = [stream for stream, _ in outputs] + [self.stream] + ([record[0]] if record else [])
+        keys += [self.fence[0]] if self.fence else []
         members = record[1] if record else []
-        args: list[bytes | str | int] = [self.group, len(outputs), len(members)]
+        args: list[bytes | str | int] = [self.group, len(outputs), len(members), self.fence[1] if self.fence else ""]
         for _, fields in outputs:
             args.append(len(fields))
             for k, v in fields.items():
                 args += [k, v]
         args += members
         args += ack_ids
-        added = [as_str(i) for i in self._forward_script(keys=keys, args=args)]
+        try:
+            added = [as_str(i) for i in self._forward_script(keys=keys, args=args)]
+        except redis.ResponseError as e:
+            if str(e).startswith("FENCED"):
+                raise Fenced(f"{self.stream}/{self.group}: {e}") from e
+            raise
         self.held.difference_update(ack_ids)
         return added
 

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,10 +18,11 @@ from prometheus_client import CollectorRegistry
 
 from buffer.curriculum import KEY_CLASS_STATE, KEY_PROMPT_STATE, ClassState, PromptState
 from buffer.metrics import BufferMetrics
-from buffer.service import KEY_CURSOR, Buffer
+from buffer.service import KEY_CURSOR, KEY_LEASE, Buffer
 from buffer.settings import BufferSettings
 from services.child_process import ROOT
 from services.datasets import load_source
+from services.lease import Lease
 from services.redis_server import EmbeddedRedis, free_port
 from services.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
 from services.selfcheck import example_group
@@ -28,6 +31,7 @@ from services.streams import (
     STREAM_BATCHES,
     STREAM_PROMPTS,
     STREAM_ROLLOUTS,
+    Fenced,
     StreamConsumer,
     StreamProducer,
     connect,
@@ -220,6 +224,43 @@ def test_a_copy_of_a_batched_group_after_a_restart_is_dropped(client: redis.Redi
     assert filtered(second, "duplicate") == 1
 
 
+def test_a_leader_paused_past_its_lease_is_fenced_and_its_successor_batches_its_groups(client: redis.Redis) -> None:
+    # two buffers of one name (`--scale buffer=2` of one config): the worst case, the successor replays the
+    # paused leader's pending groups at once
+    first, second = (Lease(client, KEY_LEASE, holder=f"b{i}", ttl_ms=1000) for i in range(2))
+    assert first.acquire() and not second.acquire()  # one leads, the other stands by
+    wide = settings(max_staleness=1000)  # a budget that leaves room for a's dispatch when it wakes up
+    a = Buffer(wide, client, SOURCE, BufferMetrics(CollectorRegistry()), lease=first)
+    rollout = Rollout(client, mixed)
+    for _ in range(40):  # until a holds kept groups not yet batched
+        assert first.renew()  # as the runner does before each step
+        a.step(block_ms=20)
+        if a.carry and client.xlen(STREAM_BATCHES):
+            break
+        rollout.serve(limit=3)
+    assert a.carry and client.xlen(STREAM_BATCHES)
+    held = {d.message.group_id for d in a.carry}
+    time.sleep(1.1)  # a is paused past the TTL (SIGSTOP, a partition) ...
+    assert second.acquire()  # ... and the standby takes over
+    b = Buffer(settings(), client, SOURCE, BufferMetrics(CollectorRegistry()), lease=second)
+    assert b.cursor == a.cursor  # where a's last dispatch left it
+    for _ in range(8):
+        assert second.renew()
+        b.step(block_ms=20)
+        rollout.serve(limit=3)
+    b.step(block_ms=20)
+    before = (client.xlen(STREAM_BATCHES), client.xlen(STREAM_PROMPTS), client.get(KEY_CURSOR))
+    with pytest.raises(Fenced):  # ... a wakes up and batches the groups it holds, which b has taken over
+        a.publish_batch()
+    with pytest.raises(Fenced):
+        a.dispatch()
+    assert (client.xlen(STREAM_BATCHES), client.xlen(STREAM_PROMPTS), client.get(KEY_CURSOR)) == before  # no effect
+    in_batches = [g.group_id for bt in batches(client) for g in bt.groups]
+    assert len(in_batches) == len(set(in_batches))  # no group in two batches
+    assert held <= set(in_batches) | {d.message.group_id for d in b.carry}  # a's carry went on with b
+    assert not first.renew() and second.renew()  # a learns it lost the lease; b keeps it
+
+
 def test_cursor_survives_a_restart(client: redis.Redis, tmp_path: Path) -> None:
     first = make_buffer(client)
     first.dispatch()
@@ -236,19 +277,29 @@ def test_cursor_survives_a_restart(client: redis.Redis, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
+def test_sigkill_mid_batch_then_the_standby_leads_every_kept_group_in_exactly_one_batch(
     client: redis.Redis, server: EmbeddedRedis, tmp_path: Path
 ) -> None:
     url = server.url
 
-    def start() -> subprocess.Popen[bytes]:
+    def start() -> tuple[subprocess.Popen[bytes], int]:
         # class state kept (difficulty classes) with decay 1: its counts are plain sums, checkable
-        args = ["--redis-url", url, "--port", str(free_port()), "--batch-size", "4", "--n-samples", "4",
+        port = free_port()
+        args = ["--redis-url", url, "--port", str(port), "--batch-size", "4", "--n-samples", "4",
                 "--max-staleness", "1", "--dataset-size", "300", "--eval-size", "5", "--dataset-seed", "3",
                 "--run-dir", str(tmp_path / "run"), "--curriculum-shared", "difficulty",
-                "--curriculum-class-decay", "1"]  # fmt: skip
+                "--curriculum-class-decay", "1", "--lease-ttl-ms", "1000"]  # fmt: skip
         env = os.environ | {"PYTHONPATH": str(ROOT)}
-        return subprocess.Popen([sys.executable, "-m", "buffer", *args], env=env, cwd=ROOT)
+        return subprocess.Popen([sys.executable, "-m", "buffer", *args], env=env, cwd=ROOT), port
+
+    def readyz(port: int) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError:
+            return 0, "not listening"
 
     def serve_until(rollout: Rollout, n: int, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
@@ -257,13 +308,18 @@ def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
             rollout.serve(limit=n - rollout.served)
 
     rollout = Rollout(client, mixed)
-    proc = start()
+    proc, _ = start()
+    standby, standby_port = start()  # a second buffer on the same Redis: it waits for the lease
     try:
         serve_until(rollout, 10)  # 10 kept groups: 2 batches published, 2 groups in the carry
         deadline = time.monotonic() + 60
         while not (client.xlen(STREAM_BATCHES) == 2 and client.xpending(STREAM_ROLLOUTS, "buffer")["pending"] == 2):
             assert time.monotonic() < deadline, "buffer did not assemble the first two batches"
             time.sleep(0.05)
+        while (ready := readyz(standby_port))[0] == 0:
+            assert time.monotonic() < deadline, "the second buffer never served /readyz"
+            time.sleep(0.1)
+        assert ready[0] == 503 and "standing by" in ready[1], ready  # not ready: another buffer leads
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
@@ -271,16 +327,17 @@ def test_sigkill_mid_batch_then_restart_every_kept_group_in_exactly_one_batch(
     assert len(before) == 10  # every received group counted in its prompt's state before the kill
     classes_before = client.hgetall(KEY_CLASS_STATE)
     assert sum(ClassState.parse(v).groups for v in classes_before.values()) == 10  # and its first group in its class
-    proc = start()
-    try:
+    try:  # the standby takes the lease once its TTL has run out, and carries on from what Redis holds
         serve_until(rollout, 16)
         deadline = time.monotonic() + 60
         while client.xlen(STREAM_BATCHES) < 4:
-            assert time.monotonic() < deadline, "buffer did not finish the batches after the restart"
+            assert time.monotonic() < deadline, "the standby did not finish the batches after the kill"
             time.sleep(0.05)
+        assert readyz(standby_port)[0] == 200
     finally:
-        proc.terminate()
-        proc.wait(30)
+        standby.terminate()
+        standby.wait(30)
+    assert client.get(KEY_LEASE) is None  # a clean stop gives the lease up
     got = batches(client)
     assert [b.batch_id for b in got] == [0, 1, 2, 3]
     in_batches = [g.group_id for b in got for g in b.groups]
