@@ -11,6 +11,7 @@ writes are fenced, so two buffers never put one group in two batches.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -42,6 +43,7 @@ def buffer_source(s: BufferSettings) -> Source:
 def run(settings: BufferSettings, stop: threading.Event) -> Buffer | None:
     """Lead while this process holds the lease, stand by while another does; the last Buffer led (None: never)."""
     s = settings
+    last: Buffer | None = None
     with ServiceProcess("buffer", s, loading="loading the dataset") as proc:
         source = buffer_source(s)
         s.run_dir.mkdir(parents=True, exist_ok=True)
@@ -49,33 +51,32 @@ def run(settings: BufferSettings, stop: threading.Event) -> Buffer | None:
         log.info("dataset %s: %d training prompts, %d held out", source.name, len(source.train), len(source.eval))
         metrics = BufferMetrics(proc.registry)
         lease = Lease(proc.client, KEY_LEASE, holder=s.consumer_name, ttl_ms=s.lease_ttl_ms)
-        led: list[Buffer] = []
+        led: list[Buffer] = []  # the Buffer leading now; empty while standing by
+        standby = [f"standing by: waiting for the lease {KEY_LEASE}"]  # /readyz reads this, never Redis
 
-        def ready() -> tuple[bool, str]:
-            if not lease.held or not led:
-                try:
-                    holder = lease.current_holder()
-                except TransportError:
-                    holder = "? (Redis does not answer)"
-                return False, f"standing by: the lease {KEY_LEASE} is held by {holder}"
-            return led[-1].status == "running", led[-1].status
+        def ready() -> tuple[bool, str]:  # from the HTTP thread: a snapshot of `led`
+            now = led[:1]
+            return (now[0].status == "running", now[0].status) if now else (False, standby[0])
 
         proc.ready_when(ready)
         try:
             while not stop.is_set():
                 if not lease.acquire():
+                    standby[0] = f"standing by: the lease {KEY_LEASE} is held by {lease.current_holder()}"
                     stop.wait(s.lease_ttl_ms / 3000)
                     continue
                 metrics.leader.set(1)
-                led.append(Buffer(s, proc.client, source, metrics, lease=lease))  # the state as Redis has it now
-                del led[:-1]
+                led[:] = [Buffer(s, proc.client, source, metrics, lease=lease)]  # the state as Redis has it now
+                last = led[0]
                 try:
-                    while not stop.is_set() and lease.renew():
-                        led[-1].step()
+                    while not stop.is_set():
+                        last.step()  # renews the lease; Fenced once another buffer leads
                 except Fenced as e:
-                    log.warning("standing down, another buffer leads: %s", e)
-                lease.release()  # ours: given up for a successor; taken: a no-op
+                    log.warning("standing down: %s", e)
+                led.clear()
                 metrics.leader.set(0)
+                lease.release()  # ours: given up for a successor; taken: a no-op
         finally:
-            lease.release()
-        return led[-1] if led else None
+            with contextlib.suppress(TransportError):  # Redis gone: the lease runs out on its own
+                lease.release()
+        return last

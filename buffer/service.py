@@ -56,6 +56,7 @@ from services.streams import (
     STREAM_PROMPTS,
     STREAM_ROLLOUTS,
     Delivery,
+    Fenced,
     StreamConsumer,
     encode,
     ensure_group,
@@ -104,6 +105,8 @@ class Buffer:
             claim_idle_ms=settings.claim_idle_ms,
             registry=metrics.registry,
         )
+        if lease is not None and not lease.held:
+            raise Fenced(f"a buffer fenced by {lease.key} needs the lease held: acquire() it first")
         self.consumer.fence = (lease.key, lease.token) if lease else None
         raw = client.get(KEY_CURSOR)
         self.cursor = Cursor(**json.loads(raw)) if raw else Cursor(seed=settings.shuffle_seed)
@@ -121,6 +124,7 @@ class Buffer:
     # ------------------------------------------------------------------ the loop
 
     def step(self, block_ms: int = 500) -> None:
+        self.hold()
         self.dispatch()
         deliveries = self.consumer.read(count=DISPATCH_CHUNK, block_ms=block_ms)
         version = self.policy_version()  # once per step, after the read: the freshest the groups can meet
@@ -129,6 +133,7 @@ class Buffer:
         if len(self.carry) >= self.s.batch_size:
             self.purge_stale(version)
         while len(self.carry) >= self.s.batch_size:
+            self.hold()  # renewed before the batch id is taken: a fenced batch leaves no gap in the ids, mostly
             self.publish_batch()
         self.m.carry.set(len(self.carry))
         if time.monotonic() >= self.next_gauges:
@@ -137,6 +142,11 @@ class Buffer:
             self.update_bands()
         if time.monotonic() - self.last_trim >= self.s.trim_every_s:
             self.trim()
+
+    def hold(self) -> None:
+        """Renew the lease (at most every third of its TTL); Fenced if it was lost: this buffer leads no more."""
+        if self.lease is not None and not self.lease.renew():
+            raise Fenced(f"lost the lease {self.lease.key}: another buffer leads")
 
     def update_stream_gauges(self) -> None:
         """Depth of every stream (the dead-letter one included) and each group's backlog, every second."""

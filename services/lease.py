@@ -84,20 +84,28 @@ class Lease:
         """A MULTI/EXEC pipeline fenced by this lease: WATCH the key, check it holds our token, then MULTI; run it
         with `execute`, which raises Fenced if another process took the lease in between."""
         pipe = self.client.pipeline(transaction=True)
-        with redis_errors(self.client):
-            pipe.watch(self.key)
-            if not self.token or pipe.get(self.key) != self.token.encode():
-                pipe.reset()
-                raise Fenced(f"{self.key} no longer holds {self.token or 'our token'}")
+        try:
+            with redis_errors(self.client):
+                pipe.watch(self.key)
+                mine = bool(self.token) and pipe.get(self.key) == self.token.encode()
+        except redis.WatchError as e:  # redis-py: the connection broke while watching (no retry)
+            pipe.reset()
+            raise Fenced(f"the connection broke while watching {self.key}: stand down and read the state again") from e
+        if not mine:
+            pipe.reset()
+            raise Fenced(f"{self.key} no longer holds {self.token or 'our token'}")
         pipe.multi()
         return pipe
 
     def execute(self, pipe: redis.client.Pipeline) -> list[object]:
+        """Run a pipeline from `pipeline()`. Fenced if the lease changed since, or if the connection broke (redis-py
+        reports both as WatchError): whether EXEC ran is then unknown, so the holder stands down and reads Redis
+        again (the tasks and the cursor went together, or neither did)."""
         try:
             with redis_errors(self.client):
                 return pipe.execute()
         except redis.WatchError as e:
-            raise Fenced(f"{self.key} changed while a fenced transaction was queued") from e
+            raise Fenced(f"{self.key} changed, or the connection broke, while a fenced transaction ran: {e}") from e
         finally:
             pipe.reset()
 

@@ -489,6 +489,10 @@ class StreamConsumer(Generic[M]):
         record: tuple[str, list[str]] | None = None,
     ) -> list[str]:
         keys = [stream for stream, _ in outputs] + [self.stream] + ([record[0]] if record else [])
+        if self.fence and not self.fence[1]:
+            raise Fenced(
+                f"{self.stream}/{self.group}: fenced by {self.fence[0]} without a token (the lease is not held)"
+            )
         keys += [self.fence[0]] if self.fence else []
         members = record[1] if record else []
         args: list[bytes | str | int] = [self.group, len(outputs), len(members), self.fence[1] if self.fence else ""]

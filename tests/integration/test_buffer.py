@@ -233,8 +233,7 @@ def test_a_leader_paused_past_its_lease_is_fenced_and_its_successor_batches_its_
     a = Buffer(wide, client, SOURCE, BufferMetrics(CollectorRegistry()), lease=first)
     rollout = Rollout(client, mixed)
     for _ in range(40):  # until a holds kept groups not yet batched
-        assert first.renew()  # as the runner does before each step
-        a.step(block_ms=20)
+        a.step(block_ms=20)  # renews the lease
         if a.carry and client.xlen(STREAM_BATCHES):
             break
         rollout.serve(limit=3)
@@ -245,7 +244,6 @@ def test_a_leader_paused_past_its_lease_is_fenced_and_its_successor_batches_its_
     b = Buffer(settings(), client, SOURCE, BufferMetrics(CollectorRegistry()), lease=second)
     assert b.cursor == a.cursor  # where a's last dispatch left it
     for _ in range(8):
-        assert second.renew()
         b.step(block_ms=20)
         rollout.serve(limit=3)
     b.step(block_ms=20)
@@ -259,6 +257,10 @@ def test_a_leader_paused_past_its_lease_is_fenced_and_its_successor_batches_its_
     assert len(in_batches) == len(set(in_batches))  # no group in two batches
     assert held <= set(in_batches) | {d.message.group_id for d in b.carry}  # a's carry went on with b
     assert not first.renew() and second.renew()  # a learns it lost the lease; b keeps it
+    with pytest.raises(Fenced):
+        a.step(block_ms=20)  # and stops at its next step
+    with pytest.raises(Fenced):
+        Buffer(wide, client, SOURCE, BufferMetrics(CollectorRegistry()), lease=first)  # not without the lease
 
 
 def test_cursor_survives_a_restart(client: redis.Redis, tmp_path: Path) -> None:
@@ -288,7 +290,7 @@ def test_sigkill_mid_batch_then_the_standby_leads_every_kept_group_in_exactly_on
         args = ["--redis-url", url, "--port", str(port), "--batch-size", "4", "--n-samples", "4",
                 "--max-staleness", "1", "--dataset-size", "300", "--eval-size", "5", "--dataset-seed", "3",
                 "--run-dir", str(tmp_path / "run"), "--curriculum-shared", "difficulty",
-                "--curriculum-class-decay", "1", "--lease-ttl-ms", "1000"]  # fmt: skip
+                "--curriculum-class-decay", "1", "--lease-ttl-ms", "3000"]  # fmt: skip
         env = os.environ | {"PYTHONPATH": str(ROOT)}
         return subprocess.Popen([sys.executable, "-m", "buffer", *args], env=env, cwd=ROOT), port
 
@@ -308,15 +310,19 @@ def test_sigkill_mid_batch_then_the_standby_leads_every_kept_group_in_exactly_on
             rollout.serve(limit=n - rollout.served)
 
     rollout = Rollout(client, mixed)
-    proc, _ = start()
-    standby, standby_port = start()  # a second buffer on the same Redis: it waits for the lease
+    proc, port = start()
+    deadline = time.monotonic() + 120
+    while readyz(port)[0] != 200:  # it leads ...
+        assert proc.poll() is None and time.monotonic() < deadline, "the first buffer never became ready"
+        time.sleep(0.1)
+    standby, standby_port = start()  # ... and a second buffer on the same Redis waits for the lease
     try:
         serve_until(rollout, 10)  # 10 kept groups: 2 batches published, 2 groups in the carry
         deadline = time.monotonic() + 60
         while not (client.xlen(STREAM_BATCHES) == 2 and client.xpending(STREAM_ROLLOUTS, "buffer")["pending"] == 2):
             assert time.monotonic() < deadline, "buffer did not assemble the first two batches"
             time.sleep(0.05)
-        while (ready := readyz(standby_port))[0] == 0:
+        while (ready := readyz(standby_port))[0] == 0 or "loading" in ready[1]:
             assert time.monotonic() < deadline, "the second buffer never served /readyz"
             time.sleep(0.1)
         assert ready[0] == 503 and "standing by" in ready[1], ready  # not ready: another buffer leads
