@@ -16,12 +16,12 @@ import logging
 import threading
 
 from buffer.metrics import BufferMetrics
-from buffer.service import KEY_LEASE, Buffer
+from buffer.service import Buffer
 from buffer.settings import BufferSettings
 from services.datasets import Source, eval_items_path, load_source, write_items
 from services.lease import Lease
 from services.service_process import ServiceProcess
-from services.streams import Fenced, TransportError
+from services.streams import KEY_BUFFER_LEASE, Fenced, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,9 @@ def run(settings: BufferSettings, stop: threading.Event) -> Buffer | None:
         write_items(eval_items_path(s.run_dir), source.eval)  # the held-out split, for evaluation
         log.info("dataset %s: %d training prompts, %d held out", source.name, len(source.train), len(source.eval))
         metrics = BufferMetrics(proc.registry)
-        lease = Lease(proc.client, KEY_LEASE, holder=s.consumer_name, ttl_ms=s.lease_ttl_ms)
+        lease = Lease(proc.client, KEY_BUFFER_LEASE, holder=s.consumer_name, ttl_ms=s.lease_ttl_ms)
         led: list[Buffer] = []  # the Buffer leading now; empty while standing by
-        standby = [f"standing by: waiting for the lease {KEY_LEASE}"]  # /readyz reads this, never Redis
+        standby = [f"standing by: waiting for the lease {KEY_BUFFER_LEASE}"]  # /readyz reads this, never Redis
 
         def ready() -> tuple[bool, str]:  # from the HTTP thread: a snapshot of `led`
             now = led[:1]
@@ -62,7 +62,7 @@ def run(settings: BufferSettings, stop: threading.Event) -> Buffer | None:
         try:
             while not stop.is_set():
                 if not lease.acquire():
-                    standby[0] = f"standing by: the lease {KEY_LEASE} is held by {lease.current_holder()}"
+                    standby[0] = f"standing by: the lease {KEY_BUFFER_LEASE} is held by {lease.current_holder()}"
                     stop.wait(s.lease_ttl_ms / 3000)
                     continue
                 metrics.leader.set(1)

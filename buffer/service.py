@@ -66,7 +66,6 @@ from services.streams import (
 log = logging.getLogger(__name__)
 
 KEY_CURSOR = "dapo:buffer:cursor"
-KEY_LEASE = "dapo:buffer:lease"  # which buffer leads: its holder and token (services/lease.py); the others stand by
 KEY_PUBLISHED = "dapo:buffer:published"  # a set: every group id put in a batch, added with the batch itself
 DISPATCH_CHUNK = 64
 GAUGES_EVERY_S = 1.0  # stream depths and group backlogs for Prometheus (autoscaling, alerts)

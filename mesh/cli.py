@@ -78,6 +78,7 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
     from services.stream_admin import stream_stats
     from services.streams import (
         DEAD_LETTER_STREAM,
+        KEY_BUFFER_LEASE,
         KEY_POLICY_VERSION,
         KEY_SYNC_GROUP,
         KEY_WEIGHTS,
@@ -92,6 +93,11 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
     client = connect(redis_url or "redis://127.0.0.1:6379/0", retries=1)
     version = client.get(KEY_POLICY_VERSION)
     console.print(f"learner policy version: [bold]{int(version) if version is not None else '-'}[/]")
+    lease = client.get(KEY_BUFFER_LEASE)
+    ttl = client.pttl(KEY_BUFFER_LEASE)
+    console.print(
+        f"buffer leader: {lease.decode()} (lease {ttl / 1000:.1f} s left)" if lease else "buffer leader: none"
+    )
     if raw := client.get(KEY_WEIGHTS):
         wv = unpack(raw, WeightVersion)
         console.print(

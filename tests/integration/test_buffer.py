@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from buffer.curriculum import KEY_CLASS_STATE, KEY_PROMPT_STATE, ClassState, PromptState
 from buffer.metrics import BufferMetrics
-from buffer.service import KEY_CURSOR, KEY_LEASE, Buffer
+from buffer.service import KEY_CURSOR, Buffer
 from buffer.settings import BufferSettings
 from services.child_process import ROOT
 from services.datasets import load_source
@@ -27,6 +27,7 @@ from services.redis_server import EmbeddedRedis, free_port
 from services.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
 from services.selfcheck import example_group
 from services.streams import (
+    KEY_BUFFER_LEASE,
     KEY_POLICY_VERSION,
     STREAM_BATCHES,
     STREAM_PROMPTS,
@@ -227,7 +228,7 @@ def test_a_copy_of_a_batched_group_after_a_restart_is_dropped(client: redis.Redi
 def test_a_leader_paused_past_its_lease_is_fenced_and_its_successor_batches_its_groups(client: redis.Redis) -> None:
     # two buffers of one name (`--scale buffer=2` of one config): the worst case, the successor replays the
     # paused leader's pending groups at once
-    first, second = (Lease(client, KEY_LEASE, holder=f"b{i}", ttl_ms=1000) for i in range(2))
+    first, second = (Lease(client, KEY_BUFFER_LEASE, holder=f"b{i}", ttl_ms=1000) for i in range(2))
     assert first.acquire() and not second.acquire()  # one leads, the other stands by
     wide = settings(max_staleness=1000)  # a budget that leaves room for a's dispatch when it wakes up
     a = Buffer(wide, client, SOURCE, BufferMetrics(CollectorRegistry()), lease=first)
@@ -343,7 +344,7 @@ def test_sigkill_mid_batch_then_the_standby_leads_every_kept_group_in_exactly_on
     finally:
         standby.terminate()
         standby.wait(30)
-    assert client.get(KEY_LEASE) is None  # a clean stop gives the lease up
+    assert client.get(KEY_BUFFER_LEASE) is None  # a clean stop gives the lease up
     got = batches(client)
     assert [b.batch_id for b in got] == [0, 1, 2, 3]
     in_batches = [g.group_id for b in got for g in b.groups]
