@@ -52,6 +52,9 @@ class BufferMetrics:
         )
         self.epoch = Gauge("dapo_buffer_epoch", "Dataset epoch of the dispatch cursor.", registry=r)
         self.leader = Gauge("dapo_buffer_leader", "1 while this buffer holds the lease; 0: standing by.", registry=r)
+        self.stand_downs = Counter(
+            "dapo_buffer_stand_downs", "Times this buffer found its lease taken or run out and stood down.", registry=r
+        )
         self._per_task(r)
 
     def _per_task(self, r: CollectorRegistry) -> None:
@@ -99,3 +102,11 @@ class BufferMetrics:
             ["band"],
             registry=r,
         )
+
+    def stand_down(self) -> None:
+        """A standby reports no state of the mesh: the leader does (dashboards and autoscaling take the max)."""
+        self.leader.set(0)
+        for gauge in (self.carry, self.in_flight, self.paused):
+            gauge.set(0)
+        for labelled in (self.stream_depth, self.backlog, self.bands):
+            labelled.clear()

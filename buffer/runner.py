@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 
 from buffer.metrics import BufferMetrics
@@ -24,6 +25,8 @@ from services.service_process import ServiceProcess
 from services.streams import KEY_BUFFER_LEASE, Fenced, TransportError
 
 log = logging.getLogger(__name__)
+
+STANDBY_POLL_S = 1.0  # how often a standby tries the lease (at most a third of its TTL)
 
 
 def buffer_source(s: BufferSettings) -> Source:
@@ -50,9 +53,11 @@ def run(settings: BufferSettings, stop: threading.Event) -> Buffer | None:
         write_items(eval_items_path(s.run_dir), source.eval)  # the held-out split, for evaluation
         log.info("dataset %s: %d training prompts, %d held out", source.name, len(source.train), len(source.eval))
         metrics = BufferMetrics(proc.registry)
-        lease = Lease(proc.client, KEY_BUFFER_LEASE, holder=s.consumer_name, ttl_ms=s.lease_ttl_ms)
+        holder = f"{s.consumer_name}@{socket.gethostname()}"  # pods of one Deployment share the consumer name
+        lease = Lease(proc.client, KEY_BUFFER_LEASE, holder=holder, ttl_ms=s.lease_ttl_ms)
         led: list[Buffer] = []  # the Buffer leading now; empty while standing by
         standby = [f"standing by: waiting for the lease {KEY_BUFFER_LEASE}"]  # /readyz reads this, never Redis
+        poll_s = min(s.lease_ttl_ms / 3000, STANDBY_POLL_S)
 
         def ready() -> tuple[bool, str]:  # from the HTTP thread: a snapshot of `led`
             now = led[:1]
@@ -62,20 +67,27 @@ def run(settings: BufferSettings, stop: threading.Event) -> Buffer | None:
         try:
             while not stop.is_set():
                 if not lease.acquire():
-                    standby[0] = f"standing by: the lease {KEY_BUFFER_LEASE} is held by {lease.current_holder()}"
-                    stop.wait(s.lease_ttl_ms / 3000)
+                    who = lease.current_holder() or "nobody (it just ran out)"
+                    standby[0] = f"standing by: the lease {KEY_BUFFER_LEASE} is held by {who}"
+                    stop.wait(poll_s)
                     continue
                 metrics.leader.set(1)
                 led[:] = [Buffer(s, proc.client, source, metrics, lease=lease)]  # the state as Redis has it now
                 last = led[0]
+                fenced = False
                 try:
                     while not stop.is_set():
                         last.step()  # renews the lease; Fenced once another buffer leads
                 except Fenced as e:
                     log.warning("standing down: %s", e)
+                    metrics.stand_downs.inc()
+                    fenced = True
                 led.clear()
-                metrics.leader.set(0)
-                lease.release()  # ours: given up for a successor; taken: a no-op
+                metrics.stand_down()
+                with contextlib.suppress(TransportError):
+                    lease.release()  # ours: given up for a successor; taken: a no-op
+                if fenced:
+                    stop.wait(poll_s)  # a lease that ran out under a slow step: a standby may take it first
         finally:
             with contextlib.suppress(TransportError):  # Redis gone: the lease runs out on its own
                 lease.release()

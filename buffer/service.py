@@ -132,7 +132,7 @@ class Buffer:
         if len(self.carry) >= self.s.batch_size:
             self.purge_stale(version)
         while len(self.carry) >= self.s.batch_size:
-            self.hold()  # renewed before the batch id is taken: a fenced batch leaves no gap in the ids, mostly
+            self.hold(now=True)  # checked before the batch id is taken: a fenced batch leaves no gap, mostly
             self.publish_batch()
         self.m.carry.set(len(self.carry))
         if time.monotonic() >= self.next_gauges:
@@ -142,9 +142,10 @@ class Buffer:
         if time.monotonic() - self.last_trim >= self.s.trim_every_s:
             self.trim()
 
-    def hold(self) -> None:
-        """Renew the lease (at most every third of its TTL); Fenced if it was lost: this buffer leads no more."""
-        if self.lease is not None and not self.lease.renew():
+    def hold(self, *, now: bool = False) -> None:
+        """Renew the lease (at most every third of its TTL, unless `now`); Fenced if it was lost: this buffer leads
+        no more."""
+        if self.lease is not None and not self.lease.renew(now=now):
             raise Fenced(f"lost the lease {self.lease.key}: another buffer leads")
 
     def update_stream_gauges(self) -> None:

@@ -93,8 +93,7 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
     client = connect(redis_url or "redis://127.0.0.1:6379/0", retries=1)
     version = client.get(KEY_POLICY_VERSION)
     console.print(f"learner policy version: [bold]{int(version) if version is not None else '-'}[/]")
-    lease = client.get(KEY_BUFFER_LEASE)
-    ttl = client.pttl(KEY_BUFFER_LEASE)
+    lease, ttl = client.pipeline().get(KEY_BUFFER_LEASE).pttl(KEY_BUFFER_LEASE).execute()
     console.print(
         f"buffer leader: {lease.decode()} (lease {ttl / 1000:.1f} s left)" if lease else "buffer leader: none"
     )

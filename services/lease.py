@@ -58,11 +58,12 @@ class Lease:
         log.info("took the lease %s as %s", self.key, token)
         return True
 
-    def renew(self) -> bool:
-        """Extend the lease (at most every third of the TTL); False, and not held any more, if it was lost."""
+    def renew(self, *, now: bool = False) -> bool:
+        """Extend the lease (at most every third of the TTL, unless `now`); False, and not held any more, if it was
+        lost."""
         if not self.token:
             return False
-        if time.monotonic() < self._next_renew:
+        if not now and time.monotonic() < self._next_renew:
             return True
         with redis_errors(self.client):
             ok = bool(self._renew(keys=[self.key], args=[self.token, self.ttl_ms]))

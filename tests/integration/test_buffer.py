@@ -228,7 +228,7 @@ def test_a_copy_of_a_batched_group_after_a_restart_is_dropped(client: redis.Redi
 def test_a_leader_paused_past_its_lease_is_fenced_and_its_successor_batches_its_groups(client: redis.Redis) -> None:
     # two buffers of one name (`--scale buffer=2` of one config): the worst case, the successor replays the
     # paused leader's pending groups at once
-    first, second = (Lease(client, KEY_BUFFER_LEASE, holder=f"b{i}", ttl_ms=1000) for i in range(2))
+    first, second = (Lease(client, KEY_BUFFER_LEASE, holder=f"b{i}", ttl_ms=10_000) for i in range(2))
     assert first.acquire() and not second.acquire()  # one leads, the other stands by
     wide = settings(max_staleness=1000)  # a budget that leaves room for a's dispatch when it wakes up
     a = Buffer(wide, client, SOURCE, BufferMetrics(CollectorRegistry()), lease=first)
@@ -240,7 +240,8 @@ def test_a_leader_paused_past_its_lease_is_fenced_and_its_successor_batches_its_
         rollout.serve(limit=3)
     assert a.carry and client.xlen(STREAM_BATCHES)
     held = {d.message.group_id for d in a.carry}
-    time.sleep(1.1)  # a is paused past the TTL (SIGSTOP, a partition) ...
+    client.pexpire(KEY_BUFFER_LEASE, 1)  # a is paused past the TTL (SIGSTOP, a partition) ...
+    time.sleep(0.01)
     assert second.acquire()  # ... and the standby takes over
     b = Buffer(settings(), client, SOURCE, BufferMetrics(CollectorRegistry()), lease=second)
     assert b.cursor == a.cursor  # where a's last dispatch left it
@@ -257,7 +258,7 @@ def test_a_leader_paused_past_its_lease_is_fenced_and_its_successor_batches_its_
     in_batches = [g.group_id for bt in batches(client) for g in bt.groups]
     assert len(in_batches) == len(set(in_batches))  # no group in two batches
     assert held <= set(in_batches) | {d.message.group_id for d in b.carry}  # a's carry went on with b
-    assert not first.renew() and second.renew()  # a learns it lost the lease; b keeps it
+    assert not first.renew(now=True) and second.renew(now=True)  # a learns it lost the lease; b keeps it
     with pytest.raises(Fenced):
         a.step(block_ms=20)  # and stops at its next step
     with pytest.raises(Fenced):
@@ -291,7 +292,7 @@ def test_sigkill_mid_batch_then_the_standby_leads_every_kept_group_in_exactly_on
         args = ["--redis-url", url, "--port", str(port), "--batch-size", "4", "--n-samples", "4",
                 "--max-staleness", "1", "--dataset-size", "300", "--eval-size", "5", "--dataset-seed", "3",
                 "--run-dir", str(tmp_path / "run"), "--curriculum-shared", "difficulty",
-                "--curriculum-class-decay", "1", "--lease-ttl-ms", "3000"]  # fmt: skip
+                "--curriculum-class-decay", "1", "--lease-ttl-ms", "8000"]  # fmt: skip
         env = os.environ | {"PYTHONPATH": str(ROOT)}
         return subprocess.Popen([sys.executable, "-m", "buffer", *args], env=env, cwd=ROOT), port
 
