@@ -92,6 +92,8 @@ class Buffer:
         """With a `lease` (the runner's), every write that could repeat another buffer's work — the dispatch, a
         batch, a drop, a dead letter — happens only while the lease holds its token; without one (tests, tools),
         unfenced."""
+        if lease is not None and not lease.held:
+            raise Fenced(f"a buffer fenced by {lease.key} needs the lease held: acquire() it first")
         self.s, self.client, self.source, self.m, self.lease = settings, client, source, metrics, lease
         ensure_group(client, STREAM_PROMPTS, GROUP_ROLLOUT)  # outstanding prompts are countable from the start
         ensure_group(client, STREAM_BATCHES, GROUP_LEARNER)  # batches are kept until the learner acknowledges them
@@ -104,8 +106,6 @@ class Buffer:
             claim_idle_ms=settings.claim_idle_ms,
             registry=metrics.registry,
         )
-        if lease is not None and not lease.held:
-            raise Fenced(f"a buffer fenced by {lease.key} needs the lease held: acquire() it first")
         self.consumer.fence = (lease.key, lease.token) if lease else None
         raw = client.get(KEY_CURSOR)
         self.cursor = Cursor(**json.loads(raw)) if raw else Cursor(seed=settings.shuffle_seed)

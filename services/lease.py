@@ -54,7 +54,8 @@ class Lease:
         with redis_errors(self.client):
             if not self.client.set(self.key, token, nx=True, px=self.ttl_ms):
                 return False
-        self.token, self._next_renew = token, time.monotonic() + self.ttl_ms / 3000
+        self.token = token
+        self._renewed()
         log.info("took the lease %s as %s", self.key, token)
         return True
 
@@ -71,8 +72,11 @@ class Lease:
             log.warning("lost the lease %s (held as %s): another process took it after the TTL", self.key, self.token)
             self.token = ""
             return False
-        self._next_renew = time.monotonic() + self.ttl_ms / 3000
+        self._renewed()
         return True
+
+    def _renewed(self) -> None:
+        self._next_renew = time.monotonic() + self.ttl_ms / 3000  # renewed again after a third of the TTL
 
     def release(self) -> None:
         """Give the lease up if it is still ours (a clean stop: the next holder need not wait for the TTL)."""

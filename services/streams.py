@@ -50,7 +50,7 @@ DEAD_LETTER_STREAM = "dapo:dead-letter"
 KEY_POLICY_VERSION = "dapo:policy_version"  # the learner's current version, an integer
 KEY_BATCH_ID = "dapo:buffer:batch_id"  # the buffer's INCR counter of batch ids (ids start at 0); the learner
 # raises it past every id its checkpoint holds (raise_counter), so ids stay unique after Redis loses writes
-KEY_BUFFER_LEASE = "dapo:buffer:lease"  # which buffer leads: `<consumer name>:<token>`, with a TTL (services/lease.py)
+KEY_BUFFER_LEASE = "dapo:buffer:lease"  # which buffer leads: `<consumer>@<host>:<random>`, TTL (services/lease.py)
 GROUP_ROLLOUT = "rollout"  # rollout servers, on the prompts stream
 GROUP_BUFFER = "buffer"  # the buffer, on the rollouts stream
 GROUP_LEARNER = "learner"  # the learner, on the batches stream

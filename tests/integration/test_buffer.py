@@ -20,7 +20,7 @@ from buffer.curriculum import KEY_CLASS_STATE, KEY_PROMPT_STATE, ClassState, Pro
 from buffer.metrics import BufferMetrics
 from buffer.service import KEY_CURSOR, Buffer
 from buffer.settings import BufferSettings
-from services.child_process import ROOT
+from services.child_process import ROOT, wait_ready
 from services.datasets import load_source
 from services.lease import Lease
 from services.redis_server import EmbeddedRedis, free_port
@@ -313,10 +313,7 @@ def test_sigkill_mid_batch_then_the_standby_leads_every_kept_group_in_exactly_on
 
     rollout = Rollout(client, mixed)
     proc, port = start()
-    deadline = time.monotonic() + 120
-    while readyz(port)[0] != 200:  # it leads ...
-        assert proc.poll() is None and time.monotonic() < deadline, "the first buffer never became ready"
-        time.sleep(0.1)
+    wait_ready(proc, f"http://127.0.0.1:{port}/readyz", name="buffer", poll_s=0.1)  # it leads ...
     standby, standby_port = start()  # ... and a second buffer on the same Redis waits for the lease
     try:
         serve_until(rollout, 10)  # 10 kept groups: 2 batches published, 2 groups in the carry
