@@ -70,8 +70,14 @@ def engine_script(name: str, script: str, args: list[str], *, timeout_s: float =
         "VLLM_CACHE_ROOT": str(tmp / "v"),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
-    r = subprocess.run([sys.executable, str(tmp / f"{name}.py"), *args], env=env, cwd=root, capture_output=True,
-                       text=True, timeout=timeout_s)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(tmp / f"{name}.py"), *args],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     if r.returncode:
         raise RuntimeError(f"bench {name}: {r.stderr[-3000:]}")
     out: dict[str, Any] = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])

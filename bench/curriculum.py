@@ -99,7 +99,7 @@ def run(redis_url: str | None = None, prompts: int = 100_000) -> list[Result]:
             "B/prompt",
             "a 1-byte HSET per prompt id (the keys alone)",
             "≤ 4",
-        ),  # fmt: skip
+        ),
         Result(
             "curriculum",
             "state update per scored group (Lua: read, decay, write)",
@@ -108,7 +108,7 @@ def run(redis_url: str | None = None, prompts: int = 100_000) -> list[Result]:
             "updates/s",
             "raw HSET of the same JSON, one round trip",
             "≥ 0.5",
-        ),  # fmt: skip
+        ),
     ]
 
 

@@ -127,8 +127,19 @@ def through_gateway(model: Path, tmp: Path) -> dict[str, Any]:
         ]
         StreamProducer(connect(server.url), STREAM_PROMPTS).publish_many(tasks)
         gport = free_port()
-        args = ["--engine", "vllm", "--model-dir", str(model), "--redis-url", server.url, "--gateway-port", str(gport),
-                "--gateway-only", "--gateway-max-tokens", str(CONF["tokens"])]  # fmt: skip
+        args = [
+            "--engine",
+            "vllm",
+            "--model-dir",
+            str(model),
+            "--redis-url",
+            server.url,
+            "--gateway-port",
+            str(gport),
+            "--gateway-only",
+            "--gateway-max-tokens",
+            str(CONF["tokens"]),
+        ]
         with running("rollout", *args, ready_path="/readyz", timeout_s=600, log=tmp / "rollout.log"):
             base = f"http://127.0.0.1:{gport}"
             run(base)  # warm-up: the engine's first batches of each size

@@ -51,9 +51,19 @@ def smollm2_shaped(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-                      max_position_embeddings=2048, pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -64,14 +74,27 @@ def batch(vocab: int):  # type: ignore[no-untyped-def]
     rng = random.Random(0)
     groups = []
     for gi in range(GROUPS):
-        task = PromptTask(task_id=f"b{gi}", prompt_id=f"b{gi}", prompt_token_ids=[rng.randrange(3, vocab)
-                          for _ in range(PROMPT)], ground_truth="1", verifier="dapo_math", data_source="bench",
-                          n_samples=G)  # fmt: skip
+        task = PromptTask(
+            task_id=f"b{gi}",
+            prompt_id=f"b{gi}",
+            prompt_token_ids=[rng.randrange(3, vocab) for _ in range(PROMPT)],
+            ground_truth="1",
+            verifier="dapo_math",
+            data_source="bench",
+            n_samples=G,
+        )
         samples, scores = [], []
         for j in range(G):
             n = min(96, max(6, int(rng.expovariate(1 / 30))))
-            samples.append(Sample(response_token_ids=[rng.randrange(3, vocab) for _ in range(n)], response_text="x",
-                                  logprobs=[-2.0] * n, finish_reason="stop", policy_version=0))  # fmt: skip
+            samples.append(
+                Sample(
+                    response_token_ids=[rng.randrange(3, vocab) for _ in range(n)],
+                    response_text="x",
+                    logprobs=[-2.0] * n,
+                    finish_reason="stop",
+                    policy_version=0,
+                )
+            )
             scores.append(Score(reward=1.0 if j % 2 else -1.0, acc=j % 2 == 1))
         groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id="bench"))
     return TrainBatch.assemble(0, groups)
@@ -103,8 +126,12 @@ def matmul_params(model: torch.nn.Module) -> int:
     return total if emb is head else total - emb.numel()
 
 
-def run(model_dir: Path | None = None, dtypes: tuple[str, ...] = ("bf16", "fp32"), repeats: int = 2,
-        steps: tuple[int, ...] = (4,)) -> list[Result]:  # fmt: skip
+def run(
+    model_dir: Path | None = None,
+    dtypes: tuple[str, ...] = ("bf16", "fp32"),
+    repeats: int = 2,
+    steps: tuple[int, ...] = (4,),
+) -> list[Result]:
     from learner.batching import minibatches, to_tensors
     from learner.settings import LearnerSettings
     from learner.trainer import Trainer
@@ -137,11 +164,25 @@ def run(model_dir: Path | None = None, dtypes: tuple[str, ...] = ("bf16", "fp32"
         rate = gemm_rate(tdt)
         what = f"{dtype}, {len(t)} samples, {tokens} tokens, {mb} steps, {torch.get_num_threads()} threads"
         results += [
-            Result("learner", f"s/batch, {what}", min(ours), min(raw), "s",
-                   "raw torch, same dtype: old-logp fwd + fwd/bwd + AdamW, same micro-batches", "≤ 1.15"),
-            Result("learner", f"model FLOP/s, {what}", flops / min(ours), rate, "FLOP/s",
-                   f"{dtype} GEMM {GEMM[0]}x{GEMM[1]} @ {GEMM[1]}x{GEMM[2]} (MFU)", "≥ 0.40"),
-        ]  # fmt: skip
+            Result(
+                "learner",
+                f"s/batch, {what}",
+                min(ours),
+                min(raw),
+                "s",
+                "raw torch, same dtype: old-logp fwd + fwd/bwd + AdamW, same micro-batches",
+                "≤ 1.15",
+            ),
+            Result(
+                "learner",
+                f"model FLOP/s, {what}",
+                flops / min(ours),
+                rate,
+                "FLOP/s",
+                f"{dtype} GEMM {GEMM[0]}x{GEMM[1]} @ {GEMM[1]}x{GEMM[2]} (MFU)",
+                "≥ 0.40",
+            ),
+        ]
     return results
 
 

@@ -103,8 +103,9 @@ def learner_once(model_dir: Path, rank: int | None, repeats: int = 1) -> dict[st
     from learner.settings import LearnerSettings
     from learner.trainer import Trainer
 
-    s = LearnerSettings(model_dir=model_dir, minibatches=4, warmup_batches=0, dtype="bf16", lora_rank=rank,
-                        lora_targets=TARGETS)  # fmt: skip
+    s = LearnerSettings(
+        model_dir=model_dir, minibatches=4, warmup_batches=0, dtype="bf16", lora_rank=rank, lora_targets=TARGETS
+    )
     trainer = Trainer(s)
     b = batch(trainer.engine.module.config.vocab_size)
     trainer.train(b)
@@ -126,13 +127,26 @@ def learner_rows(model_dir: Path) -> list[Result]:
         got[rank] = json.loads(out.stdout.strip().splitlines()[-1])
     full, lora = got[None], got[32]
     return [
-        Result("lora", f"learner s/batch, rank 32 ({lora['dtype']}, 32 samples)", lora["seconds"], full["seconds"], "s",
-               "full fine-tuning, same batch"),
-        Result("lora", "learner peak RSS, rank 32", lora["peak_bytes"] / 2**20, full["peak_bytes"] / 2**20, "MiB",
-               "full fine-tuning (fp32 master weights + AdamW state of every weight)"),
-        Result("lora", "trainable parameters, rank 32", lora["trainable"], full["trainable"], "params",
-               "full fine-tuning"),
-    ]  # fmt: skip
+        Result(
+            "lora",
+            f"learner s/batch, rank 32 ({lora['dtype']}, 32 samples)",
+            lora["seconds"],
+            full["seconds"],
+            "s",
+            "full fine-tuning, same batch",
+        ),
+        Result(
+            "lora",
+            "learner peak RSS, rank 32",
+            lora["peak_bytes"] / 2**20,
+            full["peak_bytes"] / 2**20,
+            "MiB",
+            "full fine-tuning (fp32 master weights + AdamW state of every weight)",
+        ),
+        Result(
+            "lora", "trainable parameters, rank 32", lora["trainable"], full["trainable"], "params", "full fine-tuning"
+        ),
+    ]
 
 
 REPLICA = """
@@ -186,11 +200,25 @@ def replica_rows(model_dir: Path) -> list[Result]:
         rates[(rank, serving)] = rate
     base = rates[(0, "vllm")]
     return [
-        Result("lora", f"replica tokens/s, rank 32 served by vLLM's LoRA ({dtype}, 16 x 64 tokens)",
-               rates[(32, "vllm")], base, "tok/s", "the same engine without LoRA", "≥ 0.7"),
-        Result("lora", f"replica tokens/s, rank 32 merged into the weights ({dtype})", rates[(32, "merge")], base,
-               "tok/s", "the same engine without LoRA", "≥ 0.95"),
-    ]  # fmt: skip
+        Result(
+            "lora",
+            f"replica tokens/s, rank 32 served by vLLM's LoRA ({dtype}, 16 x 64 tokens)",
+            rates[(32, "vllm")],
+            base,
+            "tok/s",
+            "the same engine without LoRA",
+            "≥ 0.7",
+        ),
+        Result(
+            "lora",
+            f"replica tokens/s, rank 32 merged into the weights ({dtype})",
+            rates[(32, "merge")],
+            base,
+            "tok/s",
+            "the same engine without LoRA",
+            "≥ 0.95",
+        ),
+    ]
 
 
 def run() -> list[Result]:

@@ -33,9 +33,20 @@ def mesh_run(run_dir: Path, staleness: int, steps: int) -> tuple[float, float]:
     from mesh.config import MeshConfig
     from mesh.up import Mesh
 
-    cfg = MeshConfig(run_dir=run_dir, steps=steps, tiny=True, engine="vllm", n_samples=G, batch_size=B,
-                     max_response_tokens=MAX_TOKENS, minibatches=1, lr=1e-4, max_restarts=0,
-                     max_staleness=staleness, buffer={"dynamic_sampling": False})  # fmt: skip
+    cfg = MeshConfig(
+        run_dir=run_dir,
+        steps=steps,
+        tiny=True,
+        engine="vllm",
+        n_samples=G,
+        batch_size=B,
+        max_response_tokens=MAX_TOKENS,
+        minibatches=1,
+        lr=1e-4,
+        max_restarts=0,
+        max_staleness=staleness,
+        buffer={"dynamic_sampling": False},
+    )
     mesh = Mesh(cfg, say=lambda _: None)
     try:
         mesh.start()
@@ -60,8 +71,12 @@ def raw_generate(model_dir: Path, steps: int) -> float:
     best = 0.0
     for _ in range(2):
         t0 = time.perf_counter()
-        n = sum(len(c.token_ids) for k in range(0, len(prompts), B)
-                for o in engine.generate(prompts[k : k + B], G, params) for c in o)  # fmt: skip
+        n = sum(
+            len(c.token_ids)
+            for k in range(0, len(prompts), B)
+            for o in engine.generate(prompts[k : k + B], G, params)
+            for c in o
+        )
         best = max(best, n / (time.perf_counter() - t0))
     return best
 
@@ -73,11 +88,25 @@ def run(steps: int = STEPS) -> list[Result]:
     raw = raw_generate(RunLayout(tmp / "async").tiny_model, steps)
     what = f"tiny Llama, vLLM, {steps} steps x {B} prompts x {G} samples, <= {MAX_TOKENS} tokens"
     return [
-        Result("mesh", f"trained tokens/s through the async mesh ({what})", async_tokens / async_s, raw, "tokens/s",
-               "raw vLLM generate, same prompts and cores", "≥ 0.9"),
-        Result("mesh", f"wall time of the async mesh (S=1) vs sync alternation (S=0) ({what})", async_s, sync_s,
-               "s", "generate, then train, same work", "≤ 0.6"),
-    ]  # fmt: skip
+        Result(
+            "mesh",
+            f"trained tokens/s through the async mesh ({what})",
+            async_tokens / async_s,
+            raw,
+            "tokens/s",
+            "raw vLLM generate, same prompts and cores",
+            "≥ 0.9",
+        ),
+        Result(
+            "mesh",
+            f"wall time of the async mesh (S=1) vs sync alternation (S=0) ({what})",
+            async_s,
+            sync_s,
+            "s",
+            "generate, then train, same work",
+            "≤ 0.6",
+        ),
+    ]
 
 
 def main() -> None:

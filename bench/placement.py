@@ -47,8 +47,12 @@ class Generator:
         script.write_text(GEN)
         self.log = tmp / f"gen-{cores}.jsonl"
         env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "VLLM_CACHE_ROOT": str(tmp / "v")}
-        self.proc = subprocess.Popen([sys.executable, str(script), str(model_dir), dtype, cores], env=env,
-                                     stdout=self.log.open("w"), stderr=subprocess.DEVNULL)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), str(model_dir), dtype, cores],
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.DEVNULL,
+        )
         try:
             deadline = time.time() + 300
             while not self.rates(0):  # the engine is up and generating
@@ -120,11 +124,25 @@ def run(repeats: int = 1) -> list[Result]:
         during = sum(gen_during) / len(gen_during) if gen_during else float("nan")
         what = f"{name}: learner {threads} thr, replica on cores {gen_cores} ({trainer.dtype})"
         results += [
-            Result("placement", f"learner s/batch, {what}", seconds, limit, "s", "the learner alone, same threads",
-                   "≤ 1.15"),
-            Result("placement", f"replica tokens/s, {what}", during, gen_alone, "tokens/s",
-                   "the replica alone, same cores", "—"),
-        ]  # fmt: skip
+            Result(
+                "placement",
+                f"learner s/batch, {what}",
+                seconds,
+                limit,
+                "s",
+                "the learner alone, same threads",
+                "≤ 1.15",
+            ),
+            Result(
+                "placement",
+                f"replica tokens/s, {what}",
+                during,
+                gen_alone,
+                "tokens/s",
+                "the replica alone, same cores",
+                "—",
+            ),
+        ]
     return results
 
 

@@ -77,9 +77,26 @@ def worker(model_dir: Path, dtype: str, stage: int, repeats: int, out: Path) -> 
 def measure(name: str, model_dir: Path, dtype: str, repeats: int) -> dict[str, float]:
     ranks, threads, stage = CONFIGS[name]
     out = Path(tempfile.mkdtemp(prefix="dapo-bench-ranks-")) / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
-           "bench.ranks", "--worker", "--model", str(model_dir), "--dtype", dtype, "--stage", str(stage),
-           "--repeats", str(repeats), "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        "-m",
+        "bench.ranks",
+        "--worker",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        dtype,
+        "--stage",
+        str(stage),
+        "--repeats",
+        str(repeats),
+        "--out",
+        str(out),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     subprocess.run(cmd, check=True, env=env | {"OMP_NUM_THREADS": str(threads)}, timeout=1800)
     return dict(json.loads(out.read_text()))
@@ -90,15 +107,43 @@ def run(model_dir: Path | None = None, dtype: str = "bf16", repeats: int = 2) ->
     m = {name: measure(name, model_dir, dtype, repeats) for name in CONFIGS}
     what = f"{dtype}, 32 samples, 4 steps"
     return [
-        Result("ranks", f"s/batch, 2 ranks x 1 thread, {what}", m["2x1"]["batch_s"], m["1x2"]["batch_s"], "s",
-               "1 rank x 2 threads, same cores", "≤ 1.0"),
-        Result("ranks", f"s/batch, 2 ranks x 1 thread, {what}", m["2x1"]["batch_s"], m["1x1"]["batch_s"] / 2, "s",
-               "1 rank x 1 thread / 2 (perfect scaling; efficiency = 1 / ratio)", "≤ 1.25"),
-        Result("ranks", f"s/batch, ZeRO-3 on 2 ranks x 1 thread, {what}", m["2x1-zero3"]["batch_s"],
-               m["2x1"]["batch_s"], "s", "ZeRO-0 on 2 ranks x 1 thread", ""),
-        Result("ranks", f"weight-sync gather + pack, ZeRO-3 on 2 ranks, {dtype}", m["2x1-zero3"]["pack_s"],
-               m["2x1"]["pack_s"], "s", "ZeRO-0 on 2 ranks (no gather)", ""),
-    ]  # fmt: skip
+        Result(
+            "ranks",
+            f"s/batch, 2 ranks x 1 thread, {what}",
+            m["2x1"]["batch_s"],
+            m["1x2"]["batch_s"],
+            "s",
+            "1 rank x 2 threads, same cores",
+            "≤ 1.0",
+        ),
+        Result(
+            "ranks",
+            f"s/batch, 2 ranks x 1 thread, {what}",
+            m["2x1"]["batch_s"],
+            m["1x1"]["batch_s"] / 2,
+            "s",
+            "1 rank x 1 thread / 2 (perfect scaling; efficiency = 1 / ratio)",
+            "≤ 1.25",
+        ),
+        Result(
+            "ranks",
+            f"s/batch, ZeRO-3 on 2 ranks x 1 thread, {what}",
+            m["2x1-zero3"]["batch_s"],
+            m["2x1"]["batch_s"],
+            "s",
+            "ZeRO-0 on 2 ranks x 1 thread",
+            "",
+        ),
+        Result(
+            "ranks",
+            f"weight-sync gather + pack, ZeRO-3 on 2 ranks, {dtype}",
+            m["2x1-zero3"]["pack_s"],
+            m["2x1"]["pack_s"],
+            "s",
+            "ZeRO-0 on 2 ranks (no gather)",
+            "",
+        ),
+    ]
 
 
 def main() -> None:

@@ -63,11 +63,25 @@ def run(batches_per_client: int = 60) -> list[Result]:
     q = statistics.quantiles(latencies, n=100)
     batch_ms = BATCH / in_process * 1e3
     return [
-        Result("reward", f"dapo_math over HTTP, batch {BATCH}, {CLIENTS} clients", http, in_process, "items/s",
-               "dapo_math() in-process, same items", "≥ 0.5"),
-        Result("reward", f"request latency p99 (p50 {q[49] * 1e3:.1f} ms)", q[98] * 1e3, batch_ms, "ms",
-               f"in-process time of one batch of {BATCH}", "p99 < 50 ms"),
-    ]  # fmt: skip
+        Result(
+            "reward",
+            f"dapo_math over HTTP, batch {BATCH}, {CLIENTS} clients",
+            http,
+            in_process,
+            "items/s",
+            "dapo_math() in-process, same items",
+            "≥ 0.5",
+        ),
+        Result(
+            "reward",
+            f"request latency p99 (p50 {q[49] * 1e3:.1f} ms)",
+            q[98] * 1e3,
+            batch_ms,
+            "ms",
+            f"in-process time of one batch of {BATCH}",
+            "p99 < 50 ms",
+        ),
+    ]
 
 
 def main() -> None:

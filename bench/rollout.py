@@ -40,14 +40,23 @@ def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result
     params = SamplingParams(max_tokens=MAX_TOKENS, seed=0)
     texts = [f"Question {i}: what is {i} + {2 * i}?" for i in range(PROMPTS)]
 
-    with EmbeddedRedis(tmp / "redis") as server, running("reward_server", "--workers", "1", "--log-level",
-                                                          "WARNING") as (reward_url, _):  # fmt: skip
+    with (
+        EmbeddedRedis(tmp / "redis") as server,
+        running("reward_server", "--workers", "1", "--log-level", "WARNING") as (reward_url, _),
+    ):
         client = connect(server.url)
         s = RolloutSettings(
-            model_dir=model_dir, engine=engine_kind, redis_url=server.url, reward_url=reward_url,  # type: ignore[arg-type]
-            prompts_per_call=PER_CALL, max_response_tokens=MAX_TOKENS, seed=0, replica_id="bench", dtype="fp32",
+            model_dir=model_dir,
+            engine=engine_kind,
+            redis_url=server.url,
+            reward_url=reward_url,  # type: ignore[arg-type]
+            prompts_per_call=PER_CALL,
+            max_response_tokens=MAX_TOKENS,
+            seed=0,
+            replica_id="bench",
+            dtype="fp32",
             vllm_kv_cache_gib=1,
-        )  # fmt: skip
+        )
         # the replica's own loop: continuous batching for vLLM, engine calls for HF (rollout/runner.py)
         replica, loop = build(s, client, RewardClient(reward_url), RolloutMetrics(CollectorRegistry()), None)
         # the limit: the engine called in chunks (continuous batching steps the same vLLM engine)
@@ -68,10 +77,17 @@ def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result
 
         def loop_round() -> float:
             tasks = [
-                PromptTask(task_id=f"{time.time_ns()}-{i}", prompt_id=str(i), prompt=t, ground_truth="1",
-                           verifier="dapo_math", data_source="bench", n_samples=G)
+                PromptTask(
+                    task_id=f"{time.time_ns()}-{i}",
+                    prompt_id=str(i),
+                    prompt=t,
+                    ground_truth="1",
+                    verifier="dapo_math",
+                    data_source="bench",
+                    n_samples=G,
+                )
                 for i, t in enumerate(texts)
-            ]  # fmt: skip
+            ]
             StreamProducer(client, STREAM_PROMPTS).publish_many(tasks)
             before = replica.metrics.tokens._value.get()
             t0 = time.perf_counter()
@@ -135,8 +151,13 @@ def dtype_rows(model_dir: Path | None = None) -> list[Result]:
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "VLLM_CACHE_ROOT": str(tmp / "v")}
     rate, gap = {}, {}
     for dtype in ("fp32", "bf16"):
-        r = subprocess.run([sys.executable, str(tmp / "gen.py"), str(model_dir), dtype], env=env, capture_output=True,
-                           text=True, timeout=900)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, str(tmp / "gen.py"), str(model_dir), dtype],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if r.returncode:
             raise RuntimeError(f"vLLM {dtype}: {r.stderr[-2000:]}")
         data = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
@@ -156,8 +177,17 @@ def dtype_rows(model_dir: Path | None = None) -> list[Result]:
         Result("rollout", f"{what}, bf16", rate["bf16"], rate["fp32"], "tokens/s", "the same engine in fp32", "≥ 1")
     ]
     for dtype, (mean, p99, n) in gap.items():
-        rows.append(Result("rollout", f"|Δ log p| replica vs learner, {dtype}, mean ({n} tokens)", mean, p99,
-                           "nats", "p99 of the same", "—"))  # fmt: skip
+        rows.append(
+            Result(
+                "rollout",
+                f"|Δ log p| replica vs learner, {dtype}, mean ({n} tokens)",
+                mean,
+                p99,
+                "nats",
+                "p99 of the same",
+                "—",
+            )
+        )
     return rows
 
 
@@ -215,23 +245,51 @@ def inflight_rows(model_dir: Path | None = None) -> list[Result]:
     model_dir = model_dir or prepare_smollm2(RunLayout(Path(".dapo")).smollm2)
     tmp = Path(tempfile.mkdtemp(prefix="dapo-bench-"))
     (tmp / "inflight.py").write_text(INFLIGHT_SCRIPT)
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "VLLM_CACHE_ROOT": str(tmp / "v"),
-                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+    env = os.environ | {
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "VLLM_CACHE_ROOT": str(tmp / "v"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     args = [str(INFLIGHT[k]) for k in ("requests", "lo", "hi", "bound", "every_s")]
-    r = subprocess.run([sys.executable, str(tmp / "inflight.py"), str(model_dir), *args], env=env,
-                       capture_output=True, text=True, timeout=1800)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(tmp / "inflight.py"), str(model_dir), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if r.returncode:
         raise RuntimeError(f"bench.rollout in-flight updates: {r.stderr[-2000:]}")
     data = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
     none = data["none"]["tokens_per_s"]
-    what = (f"vllm SmolLM2-135M bf16, {INFLIGHT['requests']} requests of {INFLIGHT['lo']}-{INFLIGHT['hi']} tokens, "
-            f"{INFLIGHT['bound']} in flight, new weights every {INFLIGHT['every_s']} s")  # fmt: skip
-    rows = [Result("rollout", f"{what}: {mode} ({data[mode]['loads']} loads)", data[mode]["tokens_per_s"], none,
-                   "tokens/s", "the same stream, no weight update", "≥ 0.9" if mode == "keep" else "—")
-            for mode in ("keep", "recompute", "drain")]  # fmt: skip
+    what = (
+        f"vllm SmolLM2-135M bf16, {INFLIGHT['requests']} requests of {INFLIGHT['lo']}-{INFLIGHT['hi']} tokens, "
+        f"{INFLIGHT['bound']} in flight, new weights every {INFLIGHT['every_s']} s"
+    )
+    rows = [
+        Result(
+            "rollout",
+            f"{what}: {mode} ({data[mode]['loads']} loads)",
+            data[mode]["tokens_per_s"],
+            none,
+            "tokens/s",
+            "the same stream, no weight update",
+            "≥ 0.9" if mode == "keep" else "—",
+        )
+        for mode in ("keep", "recompute", "drain")
+    ]
     keep, drain = data["keep"]["tokens_per_s"], data["drain"]["tokens_per_s"]
-    rows.append(Result("rollout", "in-flight updates: keep vs drain", keep, drain, "tokens/s",
-                       "drain: no admission, load when empty", "≥ 1.3"))  # fmt: skip
+    rows.append(
+        Result(
+            "rollout",
+            "in-flight updates: keep vs drain",
+            keep,
+            drain,
+            "tokens/s",
+            "drain: no admission, load when empty",
+            "≥ 1.3",
+        )
+    )
     return rows
 
 

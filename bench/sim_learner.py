@@ -99,8 +99,9 @@ def run(a: argparse.Namespace, module: SimModule, stop: threading.Event) -> dict
     consumer = StreamConsumer(client, STREAM_BATCHES, GROUP_LEARNER, "learner-0", TrainBatch)
     sender, registry = None, CollectorRegistry()
     if a.broadcast:
-        s = LearnerSettings(sync_port=0, sync_timeout_s=a.sync_timeout_s, sync_secret=a.sync_secret,
-                            sync_max_members=a.sync_max_members)  # fmt: skip
+        s = LearnerSettings(
+            sync_port=0, sync_timeout_s=a.sync_timeout_s, sync_secret=a.sync_secret, sync_max_members=a.sync_max_members
+        )
         sender = WeightSender(s, client, module, registry)
     state, rounds = LearnerState(), []
     next_step = time.monotonic()
@@ -123,11 +124,19 @@ def run(a: argparse.Namespace, module: SimModule, stop: threading.Event) -> dict
                     replicas = len(wv.replicas)
                 sync_s = time.time() - announced
                 rebuilt = (registry.get_sample_value("dapo_learner_sync_rebuild_seconds_sum") or 0.0) - rebuild_s
-                rounds.append(dict(version=state.version, announced=announced, sync_s=sync_s, rebuild_s=rebuilt,
-                                   replicas=replicas))  # fmt: skip
-                entry = LedgerEntry(batch_id=batch.batch_id, digest=digest, version=state.version, pid=os.getpid(),
-                                    lag=max(0, state.version - 1 - batch.min_version),
-                                    task_ids=[g.group_id for g in batch.groups])  # fmt: skip
+                rounds.append(
+                    dict(
+                        version=state.version, announced=announced, sync_s=sync_s, rebuild_s=rebuilt, replicas=replicas
+                    )
+                )
+                entry = LedgerEntry(
+                    batch_id=batch.batch_id,
+                    digest=digest,
+                    version=state.version,
+                    pid=os.getpid(),
+                    lag=max(0, state.version - 1 - batch.min_version),
+                    task_ids=[g.group_id for g in batch.groups],
+                )
                 append(ledger, entry)
                 write_atomic(layout.learner_state, json.dumps(asdict(state)))
                 consumer.ack(d.entry_id)  # after the state that holds it is on disk

@@ -224,8 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     for r in live + gone:
         r.thread.join(30)
     everyone = gone + live
-    stats = [{"name": r.name, "loads": r.engine.loads, "waits": r.waits, "error": r.error, "left": r.left}
-             for r in everyone]  # fmt: skip
+    stats = [
+        {"name": r.name, "loads": r.engine.loads, "waits": r.waits, "error": r.error, "left": r.left} for r in everyone
+    ]
     a.out.write_text(json.dumps({"replicas": stats}))
 
 

@@ -66,8 +66,14 @@ def write_dataset(path: Path, n: int, seed: int = 0) -> Path:
         u = rng.random()
         p = 0.02 if u < 0.4 else 0.97 if u < 0.7 else rng.uniform(0.1, 0.9)
         answer = rng.randrange(1, 10_000)
-        rows.append({"data_source": "sim", "prompt": [{"role": "user", "content": question(i, answer, p)}],
-                     "reward_model": {"ground_truth": str(answer)}, "verifier": "dapo_math"})  # fmt: skip
+        rows.append(
+            {
+                "data_source": "sim",
+                "prompt": [{"role": "user", "content": question(i, answer, p)}],
+                "reward_model": {"ground_truth": str(answer)},
+                "verifier": "dapo_math",
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -123,15 +129,50 @@ class Mesh:
         a, work = self.a, self.work
         model = write_model(work / "model", a.weight_numel)
         reward = self.service("reward", "reward_server", "--workers", "1")
-        self.service("buffer", "buffer", "--redis-url", redis_url, "--run-dir", str(work / "run" / "buffer"),
-                     "--dataset", f"file:{write_dataset(work / 'data.jsonl', a.prompts)}", "--eval-size", "0",
-                     "--prompt-template", "none", "--n-samples", str(G), "--batch-size", str(a.batch_size),
-                     "--max-staleness", str(a.max_staleness), "--keep-prompts", "10000000",
-                     "--keep-rollouts", "10000000", "--keep-dropped", "10000000")  # fmt: skip
+        self.service(
+            "buffer",
+            "buffer",
+            "--redis-url",
+            redis_url,
+            "--run-dir",
+            str(work / "run" / "buffer"),
+            "--dataset",
+            f"file:{write_dataset(work / 'data.jsonl', a.prompts)}",
+            "--eval-size",
+            "0",
+            "--prompt-template",
+            "none",
+            "--n-samples",
+            str(G),
+            "--batch-size",
+            str(a.batch_size),
+            "--max-staleness",
+            str(a.max_staleness),
+            "--keep-prompts",
+            "10000000",
+            "--keep-rollouts",
+            "10000000",
+            "--keep-dropped",
+            "10000000",
+        )
         sync = ["--broadcast", "--sync-max-members", str(a.sync_max_members)] if a.broadcast else []
-        self.spawn("learner", ["bench.sim_learner", "--redis-url", redis_url, "--run-dir", str(work / "run"),
-                               "--model-dir", str(model), "--step-s", str(a.step_s), "--out",
-                               str(work / "learner.json"), *sync])  # fmt: skip
+        self.spawn(
+            "learner",
+            [
+                "bench.sim_learner",
+                "--redis-url",
+                redis_url,
+                "--run-dir",
+                str(work / "run"),
+                "--model-dir",
+                str(model),
+                "--step-s",
+                str(a.step_s),
+                "--out",
+                str(work / "learner.json"),
+                *sync,
+            ],
+        )
         lengths = work / "lengths.json"
         lengths.write_text(json.dumps(self.lengths))
         self.tokens_per_s = tokens_per_s = a.groups_per_s * G * statistics.mean(self.lengths) / self.n
@@ -139,12 +180,33 @@ class Mesh:
         procs = min(a.procs, self.n)
         for i in range(procs):
             count = self.n // procs + (i < self.n % procs)
-            self.spawn(f"replicas-{i}", ["bench.sim_replicas", "--redis-url", redis_url, "--reward-url", reward,
-                                         "--prefix", f"sim{i}", "--count", str(count), "--tokens-per-s",
-                                         str(tokens_per_s), "--lengths", str(lengths), "--out",
-                                         str(work / f"replicas-{i}.json"), "--model-dir", str(model),
-                                         "--churn", str(a.churn), "--churn-every-s", str(a.churn_every_s),
-                                         *sync])  # fmt: skip
+            self.spawn(
+                f"replicas-{i}",
+                [
+                    "bench.sim_replicas",
+                    "--redis-url",
+                    redis_url,
+                    "--reward-url",
+                    reward,
+                    "--prefix",
+                    f"sim{i}",
+                    "--count",
+                    str(count),
+                    "--tokens-per-s",
+                    str(tokens_per_s),
+                    "--lengths",
+                    str(lengths),
+                    "--out",
+                    str(work / f"replicas-{i}.json"),
+                    "--model-dir",
+                    str(model),
+                    "--churn",
+                    str(a.churn),
+                    "--churn-every-s",
+                    str(a.churn_every_s),
+                    *sync,
+                ],
+            )
 
     def stop(self) -> None:
         order = [k for k in self.procs if k.startswith("replicas")] + ["learner", "buffer", "reward"]
@@ -178,10 +240,16 @@ class Sampler:
             return int(self.client.xlen(stream))  # nothing trimmed here (keep_* above the run); 6.2: no entries-added
 
         stats = stream_stats(self.client, STREAM_ROLLOUTS)
-        return {"t": time.monotonic(), "groups": added(STREAM_ROLLOUTS), "batches": added(STREAM_BATCHES),
-                "redis": redis_cpu(self.client), "buffer": cpu_seconds(self.mesh.pid("buffer")),
-                "reward": cpu_seconds(self.mesh.pid("reward")), "learner": cpu_seconds(self.mesh.pid("learner")),
-                "rollouts_backlog": sum((g.lag or 0) + g.pending for g in stats.groups)}  # fmt: skip
+        return {
+            "t": time.monotonic(),
+            "groups": added(STREAM_ROLLOUTS),
+            "batches": added(STREAM_BATCHES),
+            "redis": redis_cpu(self.client),
+            "buffer": cpu_seconds(self.mesh.pid("buffer")),
+            "reward": cpu_seconds(self.mesh.pid("reward")),
+            "learner": cpu_seconds(self.mesh.pid("learner")),
+            "rollouts_backlog": sum((g.lag or 0) + g.pending for g in stats.groups),
+        }
 
     def sample_backlog(self, stop: threading.Event) -> None:
         from services.stream_admin import stream_stats
@@ -253,36 +321,58 @@ def run_n(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     in_window = [r for r in rounds if wall0 <= r["announced"] <= wall1]
     groups = after["groups"] - before["groups"]
     per_k = 1000 / groups if groups else float("nan")
-    return {"replicas": n, "redis": redis_version, "seconds": round(after["t"] - before["t"], 1), "groups": groups,
-            "groups_per_s": groups / (after["t"] - before["t"]),
-            "versions": len(in_window),
-            "dispatch_p50_ms": percentile(waits, 0.5) * 1000, "dispatch_p99_ms": percentile(waits, 0.99) * 1000,
-            "backlog_prompts": statistics.mean(sampler.backlog) if sampler.backlog else float("nan"),
-            "backlog_groups": after["rollouts_backlog"],
-            **{f"cpu_{k}_per_1k": (after[k] - before[k]) * per_k for k in ("buffer", "redis", "reward", "learner")},
-            "redis_mb": redis_mb,
-            "pickup_p50_s": percentile(ups, 0.5), "pickup_p99_s": percentile(ups, 0.99),
-            "pickup_max_s": max(ups, default=float("nan")), "pickups": len(ups),
-            "pickup_bound_s": bound, "pickups_late": sum(u > bound for u in ups), "pickups_missed": missed,
-            "replicas_started": len(replicas),
-            "sync_mean_s": statistics.mean([r["sync_s"] for r in in_window]) if in_window else float("nan"),
-            "sync_max_s": max((r["sync_s"] for r in in_window), default=float("nan")),
-            "group_max": max((r["replicas"] for r in in_window), default=0),  # members that took a round
-            "rebuilds": sum(1 for r in in_window if r["rebuild_s"] > 0),
-            "rebuild_max_s": max((r["rebuild_s"] for r in in_window), default=0.0),
-            "replica_errors": sorted({r["error"] for r in replicas if r["error"]}),
-            "all_alive": all(alive.values()),
-            "audit_balanced": report.balanced, "audit_vanished": len(report.vanished),
-            "trained_twice": len(report.batches_trained_twice), "audit_places": report.places}  # fmt: skip
+    return {
+        "replicas": n,
+        "redis": redis_version,
+        "seconds": round(after["t"] - before["t"], 1),
+        "groups": groups,
+        "groups_per_s": groups / (after["t"] - before["t"]),
+        "versions": len(in_window),
+        "dispatch_p50_ms": percentile(waits, 0.5) * 1000,
+        "dispatch_p99_ms": percentile(waits, 0.99) * 1000,
+        "backlog_prompts": statistics.mean(sampler.backlog) if sampler.backlog else float("nan"),
+        "backlog_groups": after["rollouts_backlog"],
+        **{f"cpu_{k}_per_1k": (after[k] - before[k]) * per_k for k in ("buffer", "redis", "reward", "learner")},
+        "redis_mb": redis_mb,
+        "pickup_p50_s": percentile(ups, 0.5),
+        "pickup_p99_s": percentile(ups, 0.99),
+        "pickup_max_s": max(ups, default=float("nan")),
+        "pickups": len(ups),
+        "pickup_bound_s": bound,
+        "pickups_late": sum(u > bound for u in ups),
+        "pickups_missed": missed,
+        "replicas_started": len(replicas),
+        "sync_mean_s": statistics.mean([r["sync_s"] for r in in_window]) if in_window else float("nan"),
+        "sync_max_s": max((r["sync_s"] for r in in_window), default=float("nan")),
+        "group_max": max((r["replicas"] for r in in_window), default=0),  # members that took a round
+        "rebuilds": sum(1 for r in in_window if r["rebuild_s"] > 0),
+        "rebuild_max_s": max((r["rebuild_s"] for r in in_window), default=0.0),
+        "replica_errors": sorted({r["error"] for r in replicas if r["error"]}),
+        "all_alive": all(alive.values()),
+        "audit_balanced": report.balanced,
+        "audit_vanished": len(report.vanished),
+        "trained_twice": len(report.batches_trained_twice),
+        "audit_places": report.places,
+    }
 
 
-COLUMNS = [("replicas", "N", "d"), ("groups_per_s", "groups/s", ".1f"), ("dispatch_p50_ms", "disp p50 ms", ".0f"),
-           ("dispatch_p99_ms", "disp p99 ms", ".0f"), ("backlog_prompts", "backlog", ".0f"),
-           ("cpu_buffer_per_1k", "buffer s/1k", ".2f"), ("cpu_redis_per_1k", "redis s/1k", ".2f"),
-           ("cpu_reward_per_1k", "reward s/1k", ".2f"), ("redis_mb", "redis MB", ".0f"),
-           ("pickup_p50_s", "pickup p50 s", ".2f"), ("pickup_p99_s", "pickup p99 s", ".2f"),
-           ("sync_max_s", "sync max s", ".2f"), ("rebuilds", "rebuilds", "d"),
-           ("rebuild_max_s", "rebuild max s", ".2f"), ("audit_balanced", "audit", "")]  # fmt: skip
+COLUMNS = [
+    ("replicas", "N", "d"),
+    ("groups_per_s", "groups/s", ".1f"),
+    ("dispatch_p50_ms", "disp p50 ms", ".0f"),
+    ("dispatch_p99_ms", "disp p99 ms", ".0f"),
+    ("backlog_prompts", "backlog", ".0f"),
+    ("cpu_buffer_per_1k", "buffer s/1k", ".2f"),
+    ("cpu_redis_per_1k", "redis s/1k", ".2f"),
+    ("cpu_reward_per_1k", "reward s/1k", ".2f"),
+    ("redis_mb", "redis MB", ".0f"),
+    ("pickup_p50_s", "pickup p50 s", ".2f"),
+    ("pickup_p99_s", "pickup p99 s", ".2f"),
+    ("sync_max_s", "sync max s", ".2f"),
+    ("rebuilds", "rebuilds", "d"),
+    ("rebuild_max_s", "rebuild max s", ".2f"),
+    ("audit_balanced", "audit", ""),
+]
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:

@@ -25,8 +25,15 @@ import torch
 
 from bench.common import Result, print_table
 
-SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)  # fmt: skip
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+)
 
 
 def receiver(name: str, url: str, **settings: object) -> None:
@@ -49,8 +56,15 @@ def receiver(name: str, url: str, **settings: object) -> None:
     while True:
         got = r.take(lambda named, v, adapter=None: None)
         version = got.version if got else version
-        hb = ReplicaHeartbeat(replica_id=name, host="127.0.0.1", port=1, weight_version=version, state="ready",
-                              sync_broadcast=True, incarnation=r.incarnation)  # fmt: skip
+        hb = ReplicaHeartbeat(
+            replica_id=name,
+            host="127.0.0.1",
+            port=1,
+            weight_version=version,
+            state="ready",
+            sync_broadcast=True,
+            incarnation=r.incarnation,
+        )
         client.set(REPLICA_KEY_PREFIX + name, pack(hb), px=5000)
         time.sleep(0.05)
 
@@ -100,8 +114,19 @@ def raw_broadcast(numel: int, dtype: torch.dtype, repeats: int, env: dict[str, s
     from services.weight_wire import broadcast, make_group
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
-    p = subprocess.Popen([sys.executable, "-m", "bench.weight_sync", "--raw", str(store.port), str(numel),
-                          str(dtype).removeprefix("torch."), str(repeats + 1)], env=env)  # fmt: skip
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.weight_sync",
+            "--raw",
+            str(store.port),
+            str(numel),
+            str(dtype).removeprefix("torch."),
+            str(repeats + 1),
+        ],
+        env=env,
+    )
     try:
         pg = make_group(store, 0, 2, 60, torch.device("cpu"))
         buf = torch.randn(numel).to(dtype)
@@ -157,13 +182,23 @@ def run(repeats: int = 5) -> list[Result]:
                     procs.append(start_receiver(f"bench-{n}", server.url, env, client))
                     seconds = round_seconds(sender, n, repeats)
                     what = f"{str(dtype).removeprefix('torch.')} {mb:.0f} MB → {n} replica{'s' * (n > 1)}"
-                    results.append(Result("weight_sync", what, seconds, copy_s, "s/sync",
-                                          "in-process copy_ of the same bytes", "≤ 2.0"))  # fmt: skip
+                    results.append(
+                        Result(
+                            "weight_sync",
+                            what,
+                            seconds,
+                            copy_s,
+                            "s/sync",
+                            "in-process copy_ of the same bytes",
+                            "≤ 2.0",
+                        )
+                    )
                     if n == 1:
                         numel = sum(p.numel() for p in params)
                         raw = raw_broadcast(numel, dtype, repeats, env)
-                        results.append(Result("weight_sync", what, seconds, raw, "s/sync",
-                                              "bare gloo broadcast, same bytes"))  # fmt: skip
+                        results.append(
+                            Result("weight_sync", what, seconds, raw, "s/sync", "bare gloo broadcast, same bytes")
+                        )
             finally:
                 sender.close()
                 for p in procs:
@@ -204,8 +239,10 @@ def fanout(counts: tuple[int, ...] = (1, 2, 4, 8, 16), repeats: int = 3) -> list
                 p.kill()
                 p.wait()
     one = rows[0][1]
-    return [Result("weight_sync", f"bf16 {mb:.0f} MB → {n} receivers", t, one, "s/sync", "the same round to 1")
-            for n, t in rows]  # fmt: skip
+    return [
+        Result("weight_sync", f"bf16 {mb:.0f} MB → {n} receivers", t, one, "s/sync", "the same round to 1")
+        for n, t in rows
+    ]
 
 
 if __name__ == "__main__":

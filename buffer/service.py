@@ -262,8 +262,10 @@ class Buffer:
         ]
         names = sorted({k for k in kinds if k})
         classes = dict(zip(names, self.states.classes(names), strict=True))
-        return [decide(self.chance(st, classes.get(k) if k else None), self.cursor.seed, epoch, position)
-                for (_, epoch, position), st, k in zip(slots, states, kinds, strict=True)]  # fmt: skip
+        return [
+            decide(self.chance(st, classes.get(k) if k else None), self.cursor.seed, epoch, position)
+            for (_, epoch, position), st, k in zip(slots, states, kinds, strict=True)
+        ]
 
     def klass(self, data_source: str, ground_truth: str) -> str | None:
         return difficulty_class(data_source, ground_truth, self.s.curriculum_shared)

@@ -66,8 +66,14 @@ def _open(env: Environment, req: ResetRequest, episode_id: str) -> tuple[ResetRe
     messages, state = env.start(task)
     try:
         tools = [t.spec for t in env.tools()]
-        opening = ResetResponse(episode_id=episode_id, env=env.name, task_id=env.task_id(task), messages=messages,
-                                tools=tools, max_turns=env.max_turns)  # fmt: skip
+        opening = ResetResponse(
+            episode_id=episode_id,
+            env=env.name,
+            task_id=env.task_id(task),
+            messages=messages,
+            tools=tools,
+            max_turns=env.max_turns,
+        )
     except BaseException:
         release(env, state)  # started, never to be stepped
         raise
@@ -218,14 +224,22 @@ def build_app(settings: EnvSettings) -> FastAPI:
         """The environments served here, their tools and turn limits."""
         return env_list
 
-    @app.post("/v1/episodes", response_model=ResetResponse, tags=["env"],
-              responses={404: {}, 409: {}, 429: {}, 502: {}, 504: {}})  # fmt: skip
+    @app.post(
+        "/v1/episodes",
+        response_model=ResetResponse,
+        tags=["env"],
+        responses={404: {}, 409: {}, 429: {}, 502: {}, 504: {}},
+    )
     async def reset(req: ResetRequest, _: Authorized) -> ResetResponse:
         """Open an episode of `env` on a task (or one drawn from `seed`); answers its opening messages."""
         return await svc.reset(req)
 
-    @app.post("/v1/episodes/{episode_id}/step", response_model=StepResponse, tags=["env"],
-              responses={404: {}, 409: {}, 429: {}})  # fmt: skip
+    @app.post(
+        "/v1/episodes/{episode_id}/step",
+        response_model=StepResponse,
+        tags=["env"],
+        responses={404: {}, 409: {}, 429: {}},
+    )
     async def step(episode_id: str, req: StepRequest, _: Authorized) -> StepResponse:
         """The model's turn `turn`: tool results or feedback back, a reward when there is one, done or not."""
         return await svc.step(episode_id, req)

@@ -109,8 +109,13 @@ class Environment:
 
     def spec(self) -> EnvSpec:
         tools = [t.spec for t in self.tools()]
-        return EnvSpec(name=self.name, description=self.description, tools=tools, tool_format=self.tool_format,
-                       max_turns=self.max_turns)  # fmt: skip
+        return EnvSpec(
+            name=self.name,
+            description=self.description,
+            tools=tools,
+            tool_format=self.tool_format,
+            max_turns=self.max_turns,
+        )
 
     def step(self, state: Any, message: ChatMessage, turn: int) -> StepResponse:
         """One model turn: its tool calls run, or its answer judged; cut at max_turns."""

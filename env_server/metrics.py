@@ -19,19 +19,28 @@ class EnvMetrics:
             registry=registry,
         )
         self.turns = Histogram(
-            "dapo_env_episode_turns", "Model turns of each finished episode.", ["env"],
-            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=registry,
-        )  # fmt: skip
-        self.step_seconds = Histogram(
-            "dapo_env_step_latency_seconds", "Time of one reset or step in environment code.", ["env", "kind"],
-            buckets=STEP_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self.tool_calls = Counter(
-            "dapo_env_tool_calls", "Tool calls: valid, malformed, unknown, failed.", ["env", "outcome"],
+            "dapo_env_episode_turns",
+            "Model turns of each finished episode.",
+            ["env"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
             registry=registry,
-        )  # fmt: skip
-        self.timeouts = Counter("dapo_env_timeouts", "Resets and steps over --step-timeout-s.", ["env"],
-                                registry=registry)  # fmt: skip
+        )
+        self.step_seconds = Histogram(
+            "dapo_env_step_latency_seconds",
+            "Time of one reset or step in environment code.",
+            ["env", "kind"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+        self.tool_calls = Counter(
+            "dapo_env_tool_calls",
+            "Tool calls: valid, malformed, unknown, failed.",
+            ["env", "outcome"],
+            registry=registry,
+        )
+        self.timeouts = Counter(
+            "dapo_env_timeouts", "Resets and steps over --step-timeout-s.", ["env"], registry=registry
+        )
         self.workers_stuck = Gauge(
             "dapo_env_workers_stuck", "Worker threads still in environment code after its timeout.", registry=registry
         )

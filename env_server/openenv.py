@@ -49,8 +49,16 @@ class _Session:
 class OpenEnv(Environment):
     """One OpenEnv server as an environment of the service."""
 
-    def __init__(self, name: str, url: str, *, max_turns: int = 16, timeout_s: float = 10.0,
-                 action: str | None = None, observation: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        *,
+        max_turns: int = 16,
+        timeout_s: float = 10.0,
+        action: str | None = None,
+        observation: str | None = None,
+    ):
         self.name = name  # type: ignore[misc]  # a class attribute for the others; per instance here
         self.max_turns = max_turns  # type: ignore[misc]
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
@@ -75,8 +83,14 @@ class OpenEnv(Environment):
         max_turns, timeout_s = int(q.get("max_turns", 16)), float(q.get("timeout_s", 10))
         if not (1 <= max_turns <= 1024 and 0 < timeout_s <= 3600):  # NaN fails both comparisons
             raise ValueError(f"--openenv {entry!r}: max_turns must be 1-1024 and timeout_s in (0, 3600]")
-        return cls(name, base, max_turns=max_turns, timeout_s=timeout_s, action=q.get("action"),
-                   observation=q.get("observation"))  # fmt: skip
+        return cls(
+            name,
+            base,
+            max_turns=max_turns,
+            timeout_s=timeout_s,
+            action=q.get("action"),
+            observation=q.get("observation"),
+        )
 
     # -- the OpenEnv server's shapes, read once from GET /schema
 
@@ -100,8 +114,11 @@ class OpenEnv(Environment):
         field = self._action or (required[0] if len(required) == 1 else None)
         if field is None or field not in strings:
             why = f"string fields {strings}, required {required}"
-            raise RuntimeError(f"OpenEnv server {self.url}: no single text field in its action for the model's turn "
-                               f"({why}); name one with ?action=FIELD")  # fmt: skip  # not worth a retry: a 500
+            # not worth a retry: a 500
+            raise RuntimeError(
+                f"OpenEnv server {self.url}: no single text field in its action for the model's turn "
+                f"({why}); name one with ?action=FIELD"
+            )
         texts = [k for k, p in (obs.get("properties") or {}).items() if p.get("type") == "string"]
         if self._observation is not None:
             texts = [self._observation]

@@ -95,8 +95,9 @@ class Workers:
                 state.late = True
                 self.stuck += 1
             self.metrics.timeouts.labels(env).inc()
-            log.warning("%s %s of %s ran past %g s: the episode ends with an error", kind, fn.__name__, env,
-                        self.timeout_s)  # fmt: skip
+            log.warning(
+                "%s %s of %s ran past %g s: the episode ends with an error", kind, fn.__name__, env, self.timeout_s
+            )
             raise
         finally:
             self.metrics.step_seconds.labels(env, kind).observe(time.perf_counter() - t0)

@@ -32,7 +32,7 @@ EPISODE_PANELS = [  # drawn when the run trained on episodes (learner/batching.p
             ("tool_calls/failed", "failed"),
             ("env_wait_frac", "time waiting for env (fraction)"),
         ],
-    ),  # fmt: skip
+    ),
 ]
 
 

@@ -237,8 +237,18 @@ def episode_table(n: dict[str, float]) -> Table | None:
     ended = {k.split("/", 1)[1]: v for k, v in n.items() if k.startswith("episodes/")}
     total = sum(v for v in ended.values() if not math.isnan(v))
     calls = {k.split("/", 1)[1]: v for k, v in n.items() if k.startswith("tool_calls_total/")}
-    t = Table("episodes", "live", "turns/episode", "truncated", "failed", "tool calls", "waiting for env",
-              "env step p50 / p99 s", title="episodes", title_justify="left")  # fmt: skip
+    t = Table(
+        "episodes",
+        "live",
+        "turns/episode",
+        "truncated",
+        "failed",
+        "tool calls",
+        "waiting for env",
+        "env step p50 / p99 s",
+        title="episodes",
+        title_justify="left",
+    )
     t.add_row(
         _fmt(total, ".0f"),
         _fmt(n.get("episodes_live"), ".0f"),
@@ -308,13 +318,20 @@ class LiveView:
             "task", "filtered", "groups kept", "skipped", "held-out avg@k", title="tasks", title_justify="left"
         )
         for t in sorted(k.split("/", 1)[1] for k in n if k.startswith("filtered_frac/")):
-            tasks.add_row(t, _fmt(n.get(f"filtered_frac/{t}"), ".0%"), _fmt(n.get(f"groups_kept/{t}"), ".0f"),
-                          _fmt(n.get(f"skipped/{t}"), ".0f"), _fmt(n.get(f"heldout/{t}")))  # fmt: skip
+            tasks.add_row(
+                t,
+                _fmt(n.get(f"filtered_frac/{t}"), ".0%"),
+                _fmt(n.get(f"groups_kept/{t}"), ".0f"),
+                _fmt(n.get(f"skipped/{t}"), ".0f"),
+                _fmt(n.get(f"heldout/{t}")),
+            )
         episodes = episode_table(n)
         bands = "  ".join(f"{k.split('/', 1)[1]} {v:.0f}" for k, v in n.items() if k.startswith("band/"))
         if "predicted_filtered_frac" in n:
-            bands += (f"   curriculum: predicted filtered {n['predicted_filtered_frac']:.0%}, observed "
-                      f"{n['observed_filtered_frac']:.0%}, skipped {n.get('skip_frac', 0.0):.0%}")  # fmt: skip
+            bands += (
+                f"   curriculum: predicted filtered {n['predicted_filtered_frac']:.0%}, observed "
+                f"{n['observed_filtered_frac']:.0%}, skipped {n.get('skip_frac', 0.0):.0%}"
+            )
         health = Table("service", "port", "state", "restarts", "detail", title="services", title_justify="left")
         for st in self.states:
             state = "[green]ready" if st.ready else "[red]down" if not st.alive else "[yellow]not ready"

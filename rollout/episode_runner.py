@@ -306,8 +306,9 @@ class EpisodeRunner:
         if self.client.closing.is_set() or lv.group.failed is not None:
             return
         delay = min(OUTAGE_BACKOFF_MAX_S, 2.0 ** min(lv.outages, 5))
-        log.warning("episode %s: the environment service is unreachable (%s); beginning it again in %.0f s", lv.id,
-                    why, delay)  # fmt: skip
+        log.warning(
+            "episode %s: the environment service is unreachable (%s); beginning it again in %.0f s", lv.id, why, delay
+        )
         self._reset(dataclasses.replace(lv, outages=lv.outages + 1, starts=lv.starts + 1, base=""), delay)
 
     # ------------------------------------------------------------------ the engine side

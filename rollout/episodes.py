@@ -65,8 +65,10 @@ class Renderer:
         before = self._apply(probe, generation=False)
         after = self._apply(probe + [template_dict(m) for m in messages], generation=True)
         if not after.startswith(before):
-            raise ValueError("the chat template renders earlier turns differently once more follow: it cannot be "
-                             "continued token-exactly")  # fmt: skip
+            raise ValueError(
+                "the chat template renders earlier turns differently once more follow: it cannot be "
+                "continued token-exactly"
+            )
         closing = before[before.index(PROBE) + len(PROBE) :]
         last = self.tok.decode(model_ids[-1:]) if model_ids and finish == "stop" else ""
         if last and closing.startswith(last):
@@ -147,9 +149,14 @@ class Episode:
 
     def sample(self, temperature: float, top_p: float, text: str = "") -> Sample:
         runs = [(v, len(list(g))) for v, g in itertools.groupby(self.versions)]
-        info = EpisodeInfo(env=self.env, model_turns=max(1, self.model_turns), ended=self.ended or "done",
-                           tool_calls=self.tools.model_dump(), env_seconds=self.env_seconds,
-                           generate_seconds=self.generate_seconds)  # fmt: skip
+        info = EpisodeInfo(
+            env=self.env,
+            model_turns=max(1, self.model_turns),
+            ended=self.ended or "done",
+            tool_calls=self.tools.model_dump(),
+            env_seconds=self.env_seconds,
+            generate_seconds=self.generate_seconds,
+        )
         return Sample(
             response_token_ids=self.ids,
             response_text=text,

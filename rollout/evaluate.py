@@ -157,9 +157,18 @@ def episode_samples(
 
 def eval_tasks(items: Sequence[Item], k: int, version: int) -> list[PromptTask]:
     """Held-out environment tasks as the prompts of k episodes each."""
-    return [PromptTask(task_id=f"eval.{version}.{i}", prompt_id=it.prompt_id, prompt=it.prompt, n_samples=k,
-                       ground_truth=it.ground_truth, verifier=it.verifier, data_source=it.data_source)
-            for i, it in enumerate(items)]  # fmt: skip
+    return [
+        PromptTask(
+            task_id=f"eval.{version}.{i}",
+            prompt_id=it.prompt_id,
+            prompt=it.prompt,
+            n_samples=k,
+            ground_truth=it.ground_truth,
+            verifier=it.verifier,
+            data_source=it.data_source,
+        )
+        for i, it in enumerate(items)
+    ]
 
 
 def episode_eval_samples(

@@ -91,17 +91,25 @@ class RolloutMetrics:
             registry=r,
         )
         self.episode_turns = Histogram(
-            "dapo_rollout_episode_turns", "Model turns per finished episode.", ["env"], registry=r,
-            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
-        )  # fmt: skip
-        self.tool_calls = Counter(
-            "dapo_rollout_tool_calls", "Tool calls in episodes: valid, malformed, unknown, failed.", ["outcome"],
+            "dapo_rollout_episode_turns",
+            "Model turns per finished episode.",
+            ["env"],
             registry=r,
-        )  # fmt: skip
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+        )
+        self.tool_calls = Counter(
+            "dapo_rollout_tool_calls",
+            "Tool calls in episodes: valid, malformed, unknown, failed.",
+            ["outcome"],
+            registry=r,
+        )
         self.env_step_seconds = Histogram(
-            "dapo_rollout_env_step_seconds", "Latency of one environment call (reset or step) seen by the replica.",
-            ["kind"], registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-        )  # fmt: skip
+            "dapo_rollout_env_step_seconds",
+            "Latency of one environment call (reset or step) seen by the replica.",
+            ["kind"],
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
         self.episode_seconds = Counter(
             "dapo_rollout_episode_seconds",
             "Seconds episodes spent waiting for their environment (env) and in the engine (generate).",

@@ -269,8 +269,11 @@ def load_source(
                 f"eval_size {eval_size}: raise eval_size or its weight"
             )
         sources.append(src)
-    return Source("; ".join(src.name for src in sources), _Mixed([s.train for s in sources], weights, size, seed),
-                  interleave([src.eval for src in sources]))  # fmt: skip
+    return Source(
+        "; ".join(src.name for src in sources),
+        _Mixed([s.train for s in sources], weights, size, seed),
+        interleave([src.eval for src in sources]),
+    )
 
 
 def interleave(parts: Sequence[Sequence[Item]]) -> list[Item]:
@@ -308,8 +311,13 @@ class _EnvItems(Sequence[Item]):
             raise IndexError(i)
         seed = self.first + i
         truth = {"seed": seed} | ({"split": self.split} if self.split != "train" else {})
-        return Item(f"env/{self.name}/{seed}", f"[{self.name} task of seed {seed}]", json.dumps(truth),
-                    f"env:{self.name}", f"env/{self.name}")  # fmt: skip
+        return Item(
+            f"env/{self.name}/{seed}",
+            f"[{self.name} task of seed {seed}]",
+            json.dumps(truth),
+            f"env:{self.name}",
+            f"env/{self.name}",
+        )
 
 
 def env_source(name: str, *, size: int, seed: int, eval_size: int) -> Source:

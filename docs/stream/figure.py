@@ -33,8 +33,9 @@ def main() -> None:
     fig, (curves, lags) = plt.subplots(1, 2, figsize=(11, 4))
     for name, path in SEED_TABLE.items():
         ev = rows(path, "eval")
-        curves.plot([r["policy_version"] for r in ev], [r["eval_acc"] for r in ev], color="grey", alpha=0.5, lw=1,
-                    label=name)  # fmt: skip
+        curves.plot(
+            [r["policy_version"] for r in ev], [r["eval_acc"] for r in ev], color="grey", alpha=0.5, lw=1, label=name
+        )
     width = 0.27
     for i, ((name, path), colour) in enumerate(zip(RUNS.items(), COLOURS, strict=True)):
         ev = rows(path, "eval")
@@ -43,8 +44,13 @@ def main() -> None:
         assert all(r["lag"] <= 1 for r in train)  # token lags are then 0 or 1: the mean gives the split exactly
         lag1 = sum(r["token_lag_mean"] * r["response_tokens"] for r in train)
         total = sum(r["response_tokens"] for r in train)
-        lags.bar([(i - 1) * width, 1 + (i - 1) * width], [(total - lag1) / total, lag1 / total], width,
-                 color=colour, label=name)  # fmt: skip
+        lags.bar(
+            [(i - 1) * width, 1 + (i - 1) * width],
+            [(total - lag1) / total, lag1 / total],
+            width,
+            color=colour,
+            label=name,
+        )
     curves.set_xlabel("policy version (evaluation begun at)")
     curves.set_ylabel("held-out avg@4")
     curves.legend(fontsize=7)

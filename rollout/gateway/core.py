@@ -165,9 +165,16 @@ class Gateway:
             key = f"own:{own.task_id}"
             g = self.groups.get(key)
             if g is None:
-                task = PromptTask(task_id=own.task_id, prompt_id=own.task_id, prompt=own.prompt,
-                                  ground_truth=own.ground_truth, verifier=own.verifier, data_source="gateway",
-                                  n_samples=own.group_size, dispatch_version=self.version)  # fmt: skip
+                task = PromptTask(
+                    task_id=own.task_id,
+                    prompt_id=own.task_id,
+                    prompt=own.prompt,
+                    ground_truth=own.ground_truth,
+                    verifier=own.verifier,
+                    data_source="gateway",
+                    n_samples=own.group_size,
+                    dispatch_version=self.version,
+                )
                 g = self.groups[key] = TaskGroup(task, None, own.group_size, key=key)
             elif g.task.prompt != own.prompt or g.task.n_samples != own.group_size or g.seats == 0:
                 raise Conflict(f"task {own.task_id}: its group is full, or was opened with another prompt or size")

@@ -60,14 +60,18 @@ def table() -> None:
             best = max(r["eval_acc"] for r in ev.values())
             cols.append([dw, da, dl, gw, ga, gl, ev[45]["eval_acc"], best])
             acc = " → ".join(f"{ev[v]['eval_acc']:.3f}" for v in (0, 18, 45) if v in ev)
-            print(f"| {policy} | {seed} | {dw:.0%} / {da:.0%} / {dl:.0%} | {gw:.2f} / {ga:.2f} / {gl:.2f} | {acc} | "
-                  f"{best:.3f} | {wall:.1f} min | {to_plus(rs)} |")  # fmt: skip
+            print(
+                f"| {policy} | {seed} | {dw:.0%} / {da:.0%} / {dl:.0%} | {gw:.2f} / {ga:.2f} / {gl:.2f} | {acc} | "
+                f"{best:.3f} | {wall:.1f} min | {to_plus(rs)} |"
+            )
         if len(cols) > 1:
             m = [statistics.fmean(c) for c in zip(*cols, strict=True)]
             sd = [statistics.stdev(c) for c in zip(*cols, strict=True)]
-            print(f"| **{policy}** | mean ± std of {len(cols)} | {m[0]:.0%} ± {sd[0]:.0%} / {m[1]:.0%} ± {sd[1]:.0%} / "
-                  f"{m[2]:.0%} ± {sd[2]:.0%} | {m[3]:.2f} / {m[4]:.2f} / {m[5]:.2f} | final {m[6]:.3f} ± {sd[6]:.3f} "
-                  f"| {m[7]:.3f} ± {sd[7]:.3f} | | |")  # fmt: skip
+            print(
+                f"| **{policy}** | mean ± std of {len(cols)} | {m[0]:.0%} ± {sd[0]:.0%} / {m[1]:.0%} ± {sd[1]:.0%} / "
+                f"{m[2]:.0%} ± {sd[2]:.0%} | {m[3]:.2f} / {m[4]:.2f} / {m[5]:.2f} | final {m[6]:.3f} ± {sd[6]:.3f} "
+                f"| {m[7]:.3f} ± {sd[7]:.3f} | | |"
+            )
 
 
 def dapo() -> None:

@@ -219,9 +219,14 @@ def classes(name: str, preset: Path, explore: float = 0.1, decay: float = 0.95) 
         dropped = sum(x for x, dr in w if dr) / dispatched
         replay.append(f"| {shared} | {dispatched / len(w):.0%} | {dropped:.0%} |")
     uniform = sum(r["outcome"] in DROPPED for r in firsts) / len(firsts)
-    head = ["", f"first groups replayed (explore {explore}, class decay {decay}):", "",
-            "| class prior | share dispatched | of those, dropped |", "|---|---|---|",
-            f"| none (uniform) | 100% | {uniform:.0%} |"]  # fmt: skip
+    head = [
+        "",
+        f"first groups replayed (explore {explore}, class decay {decay}):",
+        "",
+        "| class prior | share dispatched | of those, dropped |",
+        "|---|---|---|",
+        f"| none (uniform) | 100% | {uniform:.0%} |",
+    ]
     return "\n".join(lines + head + replay)
 
 

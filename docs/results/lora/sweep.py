@@ -52,8 +52,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in runs:
         accs = " → ".join(f"{a:.3f}" for a in r["acc"].values())
-        print(f"| {r['run']} | {accs} | {r['pass'].get(18, float('nan')):.2f} | {r['s_per_batch']:.1f} | "
-              f"{r['filtered']:.0%} | {r['wall_min']:.1f} |")  # fmt: skip
+        print(
+            f"| {r['run']} | {accs} | {r['pass'].get(18, float('nan')):.2f} | {r['s_per_batch']:.1f} | "
+            f"{r['filtered']:.0%} | {r['wall_min']:.1f} |"
+        )
     fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
     for r in runs:
         ax.plot(list(r["acc"]), list(r["acc"].values()), marker="o", label=r["run"])

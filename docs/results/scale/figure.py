@@ -23,8 +23,11 @@ SERIES = {  # label: (rows, line style)
     "Redis 7, snapshots": (HERE / "redis7-snapshots.json", "-"),
     "Redis 7, broadcast": (HERE / "redis7-broadcast.json", "--"),
 }
-PARTS = {"cpu_buffer_per_1k": ("buffer", "C0"), "cpu_redis_per_1k": ("Redis", "C1"),
-         "cpu_reward_per_1k": ("reward server", "C2")}  # fmt: skip
+PARTS = {
+    "cpu_buffer_per_1k": ("buffer", "C0"),
+    "cpu_redis_per_1k": ("Redis", "C1"),
+    "cpu_reward_per_1k": ("reward server", "C2"),
+}
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
@@ -44,10 +47,19 @@ def main() -> None:
             pick.plot(n, [r["pickup_p50_s"] for r in rs], style, color="C0", marker="o", label=f"p50, {label}")
             pick.plot(n, [r["pickup_p99_s"] for r in rs], style, color="C3", marker="x", label=f"p99, {label}")
             pick.plot(n, [r["pickup_bound_s"] for r in rs], style, color="grey", label=f"bound, {label}")
-    cost.set(xscale="log", xlabel="simulated replicas N", ylabel="CPU seconds per 1,000 groups",
-             title="control-plane cost per group (32 groups/s offered at every N)")  # fmt: skip
-    pick.set(xscale="log", yscale="log", xlabel="simulated replicas N", ylabel="seconds",
-             title="new version announced -> replica serving it")  # fmt: skip
+    cost.set(
+        xscale="log",
+        xlabel="simulated replicas N",
+        ylabel="CPU seconds per 1,000 groups",
+        title="control-plane cost per group (32 groups/s offered at every N)",
+    )
+    pick.set(
+        xscale="log",
+        yscale="log",
+        xlabel="simulated replicas N",
+        ylabel="seconds",
+        title="new version announced -> replica serving it",
+    )
     cost.legend(fontsize=7)
     pick.legend(fontsize=7)
     fig.savefig(HERE / "scale.png", dpi=110)
