@@ -14,10 +14,30 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.common import Result, print_table
 
 PROMPTS, G, MAX_TOKENS, PER_CALL = 16, 4, 48, 8
+
+
+def bench_tasks(texts: list[str]) -> list[Any]:
+    """One task of G samples per text, under ids no round has used."""
+    from services.schemas import PromptTask
+
+    stamp = time.time_ns()
+    return [
+        PromptTask(
+            task_id=f"{stamp}-{i}",
+            prompt_id=str(i),
+            prompt=t,
+            ground_truth="1",
+            verifier="dapo_math",
+            data_source="bench",
+            n_samples=G,
+        )
+        for i, t in enumerate(texts)
+    ]
 
 
 def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result]:
@@ -31,7 +51,6 @@ def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result
     from rollout.settings import RolloutSettings
     from services.child_process import running
     from services.redis_server import EmbeddedRedis
-    from services.schemas import PromptTask
     from services.streams import STREAM_PROMPTS, StreamProducer, connect
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as in a replica
@@ -76,19 +95,7 @@ def run(engine_kind: str = "vllm", model_dir: Path | None = None) -> list[Result
             return n / (time.perf_counter() - t0)
 
         def loop_round() -> float:
-            tasks = [
-                PromptTask(
-                    task_id=f"{time.time_ns()}-{i}",
-                    prompt_id=str(i),
-                    prompt=t,
-                    ground_truth="1",
-                    verifier="dapo_math",
-                    data_source="bench",
-                    n_samples=G,
-                )
-                for i, t in enumerate(texts)
-            ]
-            StreamProducer(client, STREAM_PROMPTS).publish_many(tasks)
+            StreamProducer(client, STREAM_PROMPTS).publish_many(bench_tasks(texts))
             before = replica.metrics.tokens._value.get()
             t0 = time.perf_counter()
             done = 0

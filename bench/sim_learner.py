@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-s", type=float, default=1.0, help="seconds per training step (the wait that replaces it)")
     p.add_argument("--broadcast", action="store_true")
     p.add_argument("--sync-timeout-s", type=float, default=60.0)
-    p.add_argument("--sync-secret", default=None)
     p.add_argument("--sync-max-members", type=int, default=0, help="the broadcast group's cap (0: none)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
@@ -100,8 +99,10 @@ def run(a: argparse.Namespace, module: SimModule, stop: threading.Event) -> dict
     sender, registry = None, CollectorRegistry()
     if a.broadcast:
         s = LearnerSettings(
-            sync_port=0, sync_timeout_s=a.sync_timeout_s, sync_secret=a.sync_secret, sync_max_members=a.sync_max_members
-        )
+            sync_port=0,
+            sync_timeout_s=a.sync_timeout_s,
+            sync_max_members=a.sync_max_members,
+        )  # the MACs' key: DAPO_SYNC_SECRET from the environment, as the services read it
         sender = WeightSender(s, client, module, registry)
     state, rounds = LearnerState(), []
     next_step = time.monotonic()

@@ -127,7 +127,6 @@ class SimReplica:
             sync_broadcast=a.broadcast,
             weights_dir=a.weights_dir,
             sync_device="cpu",
-            sync_secret=a.sync_secret,
             heartbeat_ttl_s=a.heartbeat_ttl_s,
             max_response_tokens=max(self.engine.lengths),
         )
@@ -186,7 +185,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-dir", type=Path, required=True, help="the weights' shapes (the broadcast's manifest)")
     p.add_argument("--broadcast", action="store_true", help="join the learner's broadcast group")
     p.add_argument("--weights-dir", type=Path, default=None, help="else: poll the learner's snapshots here")
-    p.add_argument("--sync-secret", default=None)
     p.add_argument("--heartbeat-ttl-s", type=float, default=15.0)
     p.add_argument("--churn", type=float, default=0.0, help="fraction of replicas replaced every --churn-every-s")
     p.add_argument("--churn-every-s", type=float, default=60.0)

@@ -126,53 +126,19 @@ class Mesh:
         return base
 
     def start(self, redis_url: str) -> None:
+        from mesh.config import to_flags
+
         a, work = self.a, self.work
         model = write_model(work / "model", a.weight_numel)
         reward = self.service("reward", "reward_server", "--workers", "1")
-        self.service(
-            "buffer",
-            "buffer",
-            "--redis-url",
-            redis_url,
-            "--run-dir",
-            str(work / "run" / "buffer"),
-            "--dataset",
-            f"file:{write_dataset(work / 'data.jsonl', a.prompts)}",
-            "--eval-size",
-            "0",
-            "--prompt-template",
-            "none",
-            "--n-samples",
-            str(G),
-            "--batch-size",
-            str(a.batch_size),
-            "--max-staleness",
-            str(a.max_staleness),
-            "--keep-prompts",
-            "10000000",
-            "--keep-rollouts",
-            "10000000",
-            "--keep-dropped",
-            "10000000",
-        )
+        dataset = f"file:{write_dataset(work / 'data.jsonl', a.prompts)}"
+        keep = {"keep_prompts": 10_000_000, "keep_rollouts": 10_000_000, "keep_dropped": 10_000_000}
+        buffer = {"redis_url": redis_url, "run_dir": work / "run" / "buffer", "dataset": dataset, "eval_size": 0}
+        buffer |= {"prompt_template": "none", "n_samples": G, "batch_size": a.batch_size}
+        self.service("buffer", "buffer", *to_flags(buffer | {"max_staleness": a.max_staleness} | keep))
         sync = ["--broadcast", "--sync-max-members", str(a.sync_max_members)] if a.broadcast else []
-        self.spawn(
-            "learner",
-            [
-                "bench.sim_learner",
-                "--redis-url",
-                redis_url,
-                "--run-dir",
-                str(work / "run"),
-                "--model-dir",
-                str(model),
-                "--step-s",
-                str(a.step_s),
-                "--out",
-                str(work / "learner.json"),
-                *sync,
-            ],
-        )
+        learner = {"redis_url": redis_url, "run_dir": work / "run", "model_dir": model, "step_s": a.step_s}
+        self.spawn("learner", ["bench.sim_learner", *to_flags(learner | {"out": work / "learner.json"}), *sync])
         lengths = work / "lengths.json"
         lengths.write_text(json.dumps(self.lengths))
         self.tokens_per_s = tokens_per_s = a.groups_per_s * G * statistics.mean(self.lengths) / self.n
@@ -180,33 +146,10 @@ class Mesh:
         procs = min(a.procs, self.n)
         for i in range(procs):
             count = self.n // procs + (i < self.n % procs)
-            self.spawn(
-                f"replicas-{i}",
-                [
-                    "bench.sim_replicas",
-                    "--redis-url",
-                    redis_url,
-                    "--reward-url",
-                    reward,
-                    "--prefix",
-                    f"sim{i}",
-                    "--count",
-                    str(count),
-                    "--tokens-per-s",
-                    str(tokens_per_s),
-                    "--lengths",
-                    str(lengths),
-                    "--out",
-                    str(work / f"replicas-{i}.json"),
-                    "--model-dir",
-                    str(model),
-                    "--churn",
-                    str(a.churn),
-                    "--churn-every-s",
-                    str(a.churn_every_s),
-                    *sync,
-                ],
-            )
+            replicas = {"redis_url": redis_url, "reward_url": reward, "prefix": f"sim{i}", "count": count}
+            replicas |= {"tokens_per_s": tokens_per_s, "lengths": lengths, "out": work / f"replicas-{i}.json"}
+            replicas |= {"model_dir": model, "churn": a.churn, "churn_every_s": a.churn_every_s}
+            self.spawn(f"replicas-{i}", ["bench.sim_replicas", *to_flags(replicas), *sync])
 
     def stop(self) -> None:
         order = [k for k in self.procs if k.startswith("replicas")] + ["learner", "buffer", "reward"]

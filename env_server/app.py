@@ -18,9 +18,9 @@ import importlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, status
+from fastapi import Depends, FastAPI, HTTPException, status
 from prometheus_client import CollectorRegistry
 
 from env_server.base import Environment
@@ -30,10 +30,11 @@ from env_server.openenv import OpenEnv, Unreachable
 from env_server.settings import EnvSettings
 from env_server.table import Busy, Episode, EpisodeTable, Workers, release
 from services.episodes import Closed, EnvList, ResetRequest, ResetResponse, StepRequest, StepResponse
-from services.web import Authorized, create_app
+from services.web import create_app, require_role
 
 log = logging.getLogger(__name__)
 RETRY_AFTER = {"Retry-After": "1"}
+Runs = Annotated[None, Depends(require_role("env_token"))]  # the protocol's routes: the environment role's token
 
 
 def load_envs(classes: Sequence[str], openenv: Sequence[str] = ()) -> dict[str, Environment]:
@@ -220,7 +221,7 @@ def build_app(settings: EnvSettings) -> FastAPI:
         return response
 
     @app.get("/v1/envs", response_model=EnvList, tags=["env"])
-    def envs(_: Authorized) -> EnvList:
+    def envs(_: Runs) -> EnvList:
         """The environments served here, their tools and turn limits."""
         return env_list
 
@@ -230,7 +231,7 @@ def build_app(settings: EnvSettings) -> FastAPI:
         tags=["env"],
         responses={404: {}, 409: {}, 429: {}, 502: {}, 504: {}},
     )
-    async def reset(req: ResetRequest, _: Authorized) -> ResetResponse:
+    async def reset(req: ResetRequest, _: Runs) -> ResetResponse:
         """Open an episode of `env` on a task (or one drawn from `seed`); answers its opening messages."""
         return await svc.reset(req)
 
@@ -240,12 +241,12 @@ def build_app(settings: EnvSettings) -> FastAPI:
         tags=["env"],
         responses={404: {}, 409: {}, 429: {}},
     )
-    async def step(episode_id: str, req: StepRequest, _: Authorized) -> StepResponse:
+    async def step(episode_id: str, req: StepRequest, _: Runs) -> StepResponse:
         """The model's turn `turn`: tool results or feedback back, a reward when there is one, done or not."""
         return await svc.step(episode_id, req)
 
     @app.delete("/v1/episodes/{episode_id}", response_model=Closed, tags=["env"], responses={404: {}})
-    async def close(episode_id: str, _: Authorized) -> Closed:  # on the event loop, as every change of the table
+    async def close(episode_id: str, _: Runs) -> Closed:  # on the event loop, as every change of the table
         """Forget an episode (done or not)."""
         return svc.close(episode_id)
 

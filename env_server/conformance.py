@@ -1,6 +1,6 @@
 """Drive any environment server through the dapo-env/1 protocol and say what it gets wrong.
 
-    python -m env_server.conformance http://127.0.0.1:8005 [--token T] [--env calculator ...]
+    DAPO_ENV_TOKEN=... python -m env_server.conformance http://127.0.0.1:8005 [--env calculator ...]
 
 Exit status 0 when every check passes. What it checks (docs/services/environments.md is the protocol):
   - GET /v1/envs answers the protocol and each environment's spec; with a token, a request without it is 401;
@@ -17,6 +17,7 @@ The checker only speaks HTTP and reads answers with services/episodes.py: a serv
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import uuid
 from collections.abc import Callable, Collection
@@ -184,10 +185,15 @@ class Checker:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m env_server.conformance", description=__doc__.split("\n")[0])
     p.add_argument("url")
-    p.add_argument("--token", default=None, help="The server's bearer token (also checks that it is required).")
+    p.add_argument(
+        "--token-env",
+        default="DAPO_ENV_TOKEN",
+        help="The environment variable holding the server's bearer token (a token never goes on a command line); "
+        "with one, the checker also checks that requests without it are 401. Default: DAPO_ENV_TOKEN.",
+    )
     p.add_argument("--env", action="append", default=[], help="Only this environment's episode checks (repeatable).")
     a = p.parse_args(argv)
-    report = Checker(a.url, a.token).run(a.env)
+    report = Checker(a.url, os.environ.get(a.token_env) or None).run(a.env)
     for name in report.passed:
         print(f"pass  {name}")
     for line in report.failed:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from services.settings import ServiceSettings
 
 
 class EnvSettings(ServiceSettings):
     port: int = Field(8005, ge=0, le=65535, description="HTTP port.")
+    env_token: SecretStr | None = Field(
+        None,
+        description="The token of the dapo-env/1 routes (/v1/envs, /v1/episodes...): the replicas hold it. Unset: "
+        "the auth token. Once set, the auth token does not run episodes.",
+    )
     workers: int = Field(
         8, ge=1, le=1024, description="Threads running environment code (resets, steps, tools) at the same time."
     )

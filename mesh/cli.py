@@ -36,6 +36,7 @@ from rich.table import Table
 from mesh.commands import MODULES
 from mesh.config import DEFAULT_PRESET, TINY_NEEDS, MeshConfig, PresetError, load_preset, tiny_data
 from mesh.config import SERVICES as SECTIONS  # the preset's service sections (SERVICES below: the commands)
+from mesh.layout import RunLayout
 
 app = typer.Typer(help="DAPO as an asynchronous actor-learner service mesh.", no_args_is_help=True)
 console = Console()
@@ -69,12 +70,32 @@ def redis(
             pass
 
 
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def local_redis(redis_url: str | None, run_dir: Path) -> str:
+    """The Redis to read: the one given (--redis-url, DAPO_REDIS_URL), else the local run's embedded one while it
+    runs (RUN_DIR/run.json), else the default."""
+    from mesh.layout import RunFile
+
+    if redis_url:
+        return redis_url
+    found = RunFile.read(RunLayout(run_dir))
+    return found.redis_url if found is not None and found.redis_url else DEFAULT_REDIS
+
+
 @app.command()
-def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
+def status(
+    redis_url: RedisUrl = None,
+    run_dir: Annotated[Path, typer.Option(help="A local run (its embedded Redis) when no Redis URL is given.")] = (
+        RUN_DIR
+    ),
+) -> None:
     """Show a running mesh's state from Redis: versions, weight sync, replicas, streams and dead letters."""
     import time
 
     from services.schemas import ReplicaHeartbeat, SyncGroup, WeightVersion
+    from services.settings import redact_url
     from services.stream_admin import stream_stats
     from services.streams import (
         DEAD_LETTER_STREAM,
@@ -86,12 +107,21 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0") -> None:
         STREAM_BATCHES,
         STREAM_PROMPTS,
         STREAM_ROLLOUTS,
+        RedisUnavailable,
         connect,
+        redis_errors,
         unpack,
     )
 
-    client = connect(redis_url or "redis://127.0.0.1:6379/0", retries=1)
-    version = client.get(KEY_POLICY_VERSION)
+    url = local_redis(redis_url, run_dir)
+    client = connect(url, retries=1)
+    try:
+        with redis_errors(client):
+            version = client.get(KEY_POLICY_VERSION)
+    except RedisUnavailable as e:
+        Console(stderr=True).print(f"no mesh at {redact_url(url)}: {e}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    console.print(f"redis: {redact_url(url)}")
     console.print(f"learner policy version: [bold]{int(version) if version is not None else '-'}[/]")
     lease, ttl = client.pipeline().get(KEY_BUFFER_LEASE).pttl(KEY_BUFFER_LEASE).execute()
     console.print(
@@ -170,7 +200,6 @@ def audit(
     the buffer's pass-rate state counts a group twice or misses one."""
     from mesh.audit import PLACES
     from mesh.audit import audit as run_audit
-    from mesh.layout import RunLayout
     from services.redis_server import EmbeddedRedis
     from services.streams import connect
 
@@ -211,7 +240,7 @@ def audit(
 
 @app.command()
 def redrive(
-    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    redis_url: RedisUrl = None,
     stream: Annotated[str | None, typer.Option(help="Only dead letters from this stream, e.g. dapo:prompts.")] = None,
     kind: Annotated[str | None, typer.Option(help="Only this kind: reward_rejected, max_deliveries, ...")] = None,
     match: Annotated[str | None, typer.Option(help="Only dead letters whose reason contains this text.")] = None,
@@ -221,7 +250,7 @@ def redrive(
     from services.stream_admin import redrive as run_redrive
     from services.streams import connect
 
-    client = connect(redis_url or "redis://127.0.0.1:6379/0", retries=1)
+    client = connect(local_redis(redis_url, RUN_DIR), retries=1)
     moved = run_redrive(client, stream=stream, kind=kind, match=match, dry_run=dry_run)
     table = Table(
         "dead letter",
@@ -288,9 +317,13 @@ def replay(
 @app.command("eval")
 def evaluate(
     model: Annotated[Path | None, typer.Option(help="HF model folder; default: SmolLM2-135M-Instruct.")] = None,
-    data: Annotated[str, typer.Option(help="Dataset spec (its held-out split) or the buffer's eval.jsonl.")] = (
-        "reasoning_gym:chain_sum"
-    ),
+    data: Annotated[
+        str | None,
+        typer.Option(
+            help="Dataset spec (its held-out split) or a buffer's eval.jsonl; default: the local run's held-out file "
+            "(RUN_DIR/buffer/eval.jsonl, the preset's task), else reasoning_gym:chain_sum."
+        ),
+    ] = None,
     k: Annotated[int, typer.Option(min=1, help="Samples per prompt: avg@k and pass@k.")] = 4,
     size: Annotated[int, typer.Option(min=1, help="Held-out prompts evaluated.")] = 200,
     seed: Annotated[int, typer.Option(help="Sampling seed: the same seed gives the same samples.")] = 1234,
@@ -304,11 +337,14 @@ def evaluate(
     reward_url: Annotated[
         str | None, typer.Option(envvar="DAPO_REWARD_URL", help="The reward server; unset: start one.")
     ] = None,
-    reward_token: Annotated[str | None, typer.Option(envvar="DAPO_REWARD_TOKEN", show_default=False)] = None,
     env_url: Annotated[
-        str | None, typer.Option(envvar="DAPO_ENV_URL", help="The environment service (env: data); unset: start one.")
+        str | None,
+        typer.Option(
+            envvar="DAPO_ENV_URL",
+            help="The environment service (env: data); unset: the local run's environment servers (RUN_DIR/run.json) "
+            "and one started here for the rest.",
+        ),
     ] = None,
-    env_token: Annotated[str | None, typer.Option(envvar="DAPO_ENV_TOKEN", show_default=False)] = None,
     dataset_seed: Annotated[int, typer.Option(help="As the buffer's --dataset-seed.")] = 42,
     dataset_size: Annotated[int, typer.Option(help="As the buffer's --dataset-size.")] = 10_000,
     dataset_config: Annotated[str | None, typer.Option(help="As the buffer's --dataset-config (JSON).")] = None,
@@ -316,15 +352,20 @@ def evaluate(
     out: Annotated[Path | None, typer.Option(help="Write report.json and samples.jsonl here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Held-out avg@k and pass@k of a model, sampled by the rollout engine and scored by the reward server."""
+    """Held-out avg@k and pass@k of a model, sampled by the rollout engine and scored by the reward server. Tokens
+    come from the environment, never the command line: DAPO_REWARD_TOKEN, DAPO_ENV_TOKEN (each else
+    DAPO_AUTH_TOKEN)."""
+    reward_token = os.environ.get("DAPO_REWARD_TOKEN") or os.environ.get("DAPO_AUTH_TOKEN")
+    env_token = os.environ.get("DAPO_ENV_TOKEN") or os.environ.get("DAPO_AUTH_TOKEN")
+    run = RunLayout(RUN_DIR)
+    if data is None:
+        data = str(run.eval_items) if run.eval_items.is_file() else "reasoning_gym:chain_sum"
+        console.print(f"held-out items: {data}", markup=False)
     if as_json:  # stdout is the report alone: vLLM logs to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    from mesh.layout import RunLayout
     from rollout.engines import SamplingParams, load_engine
     from rollout.evaluate import evaluate as run_eval
     from rollout.evaluate import load_eval_items
-    from rollout.reward_client import RewardClient
-    from services.child_process import running
     from services.dtype import resolve_dtype
     from services.model_prep import prepare_smollm2
 
@@ -337,35 +378,35 @@ def evaluate(
     model_dir = model or prepare_smollm2(RunLayout(RUN_DIR).smollm2)
     _not_an_adapter(model_dir)
     with contextlib.ExitStack() as stack:
-        if reward_url is None:
-            env = {"DAPO_AUTH_TOKEN": reward_token} if reward_token else {}
-            reward_url, _ = stack.enter_context(
-                running("reward_server", "--workers", "1", ready_path="/readyz", env=env, token=reward_token)
-            )
-        client = RewardClient(reward_url, token=reward_token)
-        stack.callback(client.close)
+        client = _reward_client(stack, reward_url, reward_token)
         # built as a replica builds it: the same seed draws the same samples
         eng = load_engine(model_dir, engine, dtype=resolve_dtype(dtype))  # type: ignore[arg-type]
-        episodes = _episode_runner(stack, items, env_url, env_token, eng.tokenizer)
+        episodes = _episode_runner(stack, items, env_url, env_token, eng.tokenizer, run)
         params = SamplingParams(temperature, top_p, max_tokens, seed)
         report, samples = run_eval(eng, items, client, k=k, params=params, episodes=episodes)
-    report.settings = {
-        "model": str(model_dir),
-        "data": data,
-        "size": len(items),
-        "engine": engine,
-        "dtype": eng.dtype,
-        "seed": seed,
-        "temperature": temperature,
-        "top_p": top_p,
-        "max_tokens": max_tokens,
-    }
+    report.settings = {"model": str(model_dir), "data": data, "size": len(items), "engine": engine}
+    report.settings |= {"dtype": eng.dtype, "seed": seed, "temperature": temperature, "top_p": top_p}
+    report.settings |= {"max_tokens": max_tokens}
     if out is not None:
         _write_eval(out, report, samples)
     if as_json:
         print(report.to_json())
         return
     console.print(_report_table(report, f"{model_dir.name}: {len(items)} held-out prompts × {k} samples", k))
+
+
+def _reward_client(stack: contextlib.ExitStack, url: str | None, token: str | None) -> Any:
+    """A client of the reward server at `url`, or of one started here (behind `token`, if any)."""
+    from rollout.reward_client import RewardClient
+    from services.child_process import running
+
+    if url is None:
+        env = {"DAPO_AUTH_TOKEN": token} if token else {}
+        started = running("reward_server", "--workers", "1", ready_path="/readyz", env=env, token=token)
+        url, _ = stack.enter_context(started)
+    client = RewardClient(url, token=token)
+    stack.callback(client.close)
+    return client
 
 
 def _write_eval(out: Path, report: Any, samples: list[Any]) -> None:
@@ -376,22 +417,36 @@ def _write_eval(out: Path, report: Any, samples: list[Any]) -> None:
 
 
 def _episode_runner(
-    stack: contextlib.ExitStack, items: list[Any], url: str | None, token: str | None, tokenizer: Any
+    stack: contextlib.ExitStack, items: list[Any], url: str | None, token: str | None, tokenizer: Any, run: Any
 ) -> Any:
-    """Held-out environment tasks run as episodes against `url`, or an environment service started here."""
+    """Held-out environment tasks run as episodes: against `url`; else against the local run's environment servers
+    (run.json: their URLs and the variables holding their tokens) and an environment service started here for the
+    rest."""
     if not any(it.verifier.startswith("env:") for it in items):
         return None
     from prometheus_client import CollectorRegistry
 
+    from mesh.layout import RunFile
     from rollout.episode_runner import EpisodeRunner
     from rollout.metrics import RolloutMetrics
     from rollout.settings import RolloutSettings
     from services.child_process import running
 
-    if url is None:
+    routes: dict[str, str] = {}
+    tokens: dict[str, str] = {}
+    found = RunFile.read(run) if url is None else None
+    for server in found.env_servers if found is not None else []:
+        for name in server.get("envs", []):
+            routes[name] = server["url"]
+            if server.get("token_env") and (t := os.environ.get(server["token_env"])):
+                tokens[name] = t
+    wanted = {it.verifier.removeprefix("env:") for it in items if it.verifier.startswith("env:")}
+    if url is None and wanted - set(routes):
         env = {"DAPO_AUTH_TOKEN": token} if token else {}
         url, _ = stack.enter_context(running("env_server", ready_path="/readyz", env=env, token=token))
-    settings = RolloutSettings(env_url=url, env_token=token)  # type: ignore[call-arg]
+    settings = RolloutSettings(
+        env_url=url or "http://127.0.0.1:8005", env_token=token, env_routes=routes, env_route_tokens=tokens
+    )  # type: ignore[arg-type]  # pydantic takes str for SecretStr
     return EpisodeRunner(settings, tokenizer, RolloutMetrics(CollectorRegistry()), hold_outages=False)
 
 
@@ -439,7 +494,6 @@ def merge(
     base: Annotated[Path | None, typer.Option(help="The base model it was trained on; default: SmolLM2.")] = None,
 ) -> None:
     """Merge a LoRA adapter into its base model (W + alpha/r BA): a plain HF folder, e.g. for `dapo-mesh eval`."""
-    from mesh.layout import RunLayout
     from services.adapters import merge as run_merge
     from services.model_prep import prepare_smollm2
 
@@ -455,7 +509,6 @@ def merge(
 def curves(run_dir: Annotated[Path, typer.Option(help="The run directory.")] = RUN_DIR) -> None:
     """Draw RUN_DIR/curves.png from RUN_DIR/metrics.jsonl now (`dapo-mesh up` draws it when the run ends)."""
     from mesh.curves import plot
-    from mesh.layout import RunLayout
 
     paths = RunLayout(run_dir)
     out = plot(paths.metrics, paths.curves)
@@ -533,8 +586,9 @@ def up(
     except PresetError as e:  # the data, read before anything starts (Mesh.check_data)
         Console(stderr=True).print(f"invalid mesh config: {e}", markup=False, highlight=False)
         code = 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a clean stop is a success (the services stop below)
         console.print("stopping (Ctrl-C)")
+        code = 0
     finally:
         mesh.stop()
     raise typer.Exit(code)
@@ -588,7 +642,6 @@ def _parse_set(item: str) -> tuple[str, str, Any]:
 
 
 def _check(redis_url: str | None, run_dir: Path) -> None:
-    from mesh.layout import RunLayout
     from services.model_prep import prepare_smollm2
     from services.redis_server import EmbeddedRedis
     from services.selfcheck import transport_selfcheck

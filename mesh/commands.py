@@ -1,19 +1,22 @@
 """Each service's command line for a mesh config: a pure function, so what `dapo-mesh up` starts can be read
 and tested without starting anything.
 
-    ports = allocate_ports(cfg)                                   # the only side effect: free ports
-    for cmd in service_commands(cfg, model_dir, redis_url, ports):
+    ports = allocate_ports(cfg, routes)                           # the only side effect: free ports
+    for cmd in service_commands(cfg, model_dir, redis_url, ports, routes):   # routes: mesh/envs.py
         subprocess.Popen(cmd.argv(), env=child_env(**cmd.env))    # mesh/supervisor.py does this
 
 A service's settings are the mesh's values (ports, paths, what [mesh] decides for every service: MESH_SETS in
 mesh/config.py) and its typed preset section (`cfg.learner`, ...), which may not set a MESH_SETS name: each value
 has one place, and the command line is written once, here. The Redis URL travels in the environment
-(DAPO_REDIS_URL), not on the command line, where `ps` would show a password. The order is the start order: the
-reward server and the buffer before the learner and the replicas that need them.
+(DAPO_REDIS_URL), not on the command line, where `ps` would show a password, as do the tokens of the user's own
+environment servers (DAPO_ENV_ROUTE_TOKENS, the replicas' only). The order is the start order: the reward server and
+the buffer before the learner and the replicas that need them. The mesh's own environment service runs when the
+dataset has an `env:` part that no server of the user's (`routes`) serves.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -22,7 +25,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from mesh.config import MeshConfig, Service, to_flags
+from mesh.envs import EnvRoutes
 from mesh.layout import RunLayout
+from services.datasets import env_names
 from services.redis_server import free_port
 
 MODULES = {
@@ -39,7 +44,7 @@ SYNC_PORT = "sync"  # the learner's weight-sync rendezvous, in the ports mapping
 class ServiceCommand:
     name: str  # reward, env, buffer, learner, rollout-0, rollout-1, ...
     args: tuple[str, ...]  # after `python -m <module>`
-    env: dict[str, str] = field(default_factory=dict)  # added to the mesh's own environment
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # added to the mesh's own (secrets: never shown)
 
     @property
     def service(self) -> Service:
@@ -54,38 +59,48 @@ class ServiceCommand:
         return [python, "-m", self.module, *self.args]
 
 
-def service_names(cfg: MeshConfig) -> list[str]:
-    env = ["env"] if uses_envs(cfg) else []
+def service_names(cfg: MeshConfig, routes: EnvRoutes | None = None) -> list[str]:
+    env = ["env"] if uses_envs(cfg, routes) else []
     return ["reward", *env, "buffer", "learner", *(f"rollout-{i}" for i in range(cfg.replicas))]
 
 
-def uses_envs(cfg: MeshConfig) -> bool:
-    """The dataset has environment tasks (env:<name> parts): the mesh runs the environment service."""
-    return any(part.strip().startswith("env:") for part in cfg.dataset.split(";"))
+def uses_envs(cfg: MeshConfig, routes: EnvRoutes | None = None) -> bool:
+    """The dataset has environment tasks (env:<name> parts) that no server of the user's serves: the mesh runs its
+    own environment service for them."""
+    routed = routes.urls if routes is not None else {}
+    return any(name not in routed for name in env_names(cfg.dataset))
 
 
-def allocate_ports(cfg: MeshConfig) -> dict[str, int]:
-    return {name: free_port() for name in [*service_names(cfg), SYNC_PORT]}
+def allocate_ports(cfg: MeshConfig, routes: EnvRoutes | None = None) -> dict[str, int]:
+    return {name: free_port() for name in [*service_names(cfg, routes), SYNC_PORT]}
 
 
 def service_commands(
-    cfg: MeshConfig, model_dir: Path, redis_url: str, ports: Mapping[str, int]
+    cfg: MeshConfig, model_dir: Path, redis_url: str, ports: Mapping[str, int], routes: EnvRoutes | None = None
 ) -> list[ServiceCommand]:
-    """Each service's settings (the mesh's values, then its preset section over them) as its command line."""
-    values = service_values(cfg, model_dir, ports)
+    """Each service's settings (the mesh's values, then its preset section over them) as its command line, and its
+    environment: the Redis URL; a replica's, the tokens of the user's environment servers."""
+    values = service_values(cfg, model_dir, ports, routes)
     env = {"DAPO_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
-    return [ServiceCommand(name, tuple(to_flags(values[name])), env) for name in service_names(cfg)]
+    tokens = {"DAPO_ENV_ROUTE_TOKENS": json.dumps(routes.tokens)} if routes is not None and routes.tokens else {}
+    return [
+        ServiceCommand(name, tuple(to_flags(values[name])), env | (tokens if name.startswith("rollout") else {}))
+        for name in service_names(cfg, routes)
+    ]
 
 
-def service_values(cfg: MeshConfig, model_dir: Path, ports: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+def service_values(
+    cfg: MeshConfig, model_dir: Path, ports: Mapping[str, int], routes: EnvRoutes | None = None
+) -> dict[str, dict[str, Any]]:
     """What each service is started with, by setting name: what the mesh decides (only `MESH_SETS` names, and a
     few defaults a preset may change: workers, seeds, cores), then the preset's section for that service."""
     run = RunLayout(cfg.run_dir)
     broadcast = cfg.transport == "broadcast"
     cores = split_cores() if cfg.placement == "split" else None
+    own_envs = uses_envs(cfg, routes)
     out: dict[str, dict[str, Any]] = {
         "reward": {"port": ports["reward"], "workers": 1},
-        **({"env": {"port": ports["env"]}} if uses_envs(cfg) else {}),
+        **({"env": {"port": ports["env"]}} if own_envs else {}),
         "buffer": {
             "port": ports["buffer"],
             "run_dir": run.buffer,
@@ -121,7 +136,8 @@ def service_values(cfg: MeshConfig, model_dir: Path, ports: Mapping[str, int]) -
             "engine": cfg.engine,
             "model_dir": model_dir,
             "reward_url": f"http://127.0.0.1:{ports['reward']}",
-            **({"env_url": f"http://127.0.0.1:{ports['env']}"} if uses_envs(cfg) else {}),
+            **({"env_url": f"http://127.0.0.1:{ports['env']}"} if own_envs else {}),
+            **({"env_routes": routes.urls} if routes is not None and routes.urls else {}),
             "weights_dir": run.snapshots,
             "replica_id": name,
             "max_response_tokens": cfg.max_response_tokens,

@@ -41,6 +41,7 @@ from learner.settings import LearnerSettings
 from reward_server.settings import RewardSettings
 from rollout.settings import RolloutSettings
 from services.child_process import ROOT
+from services.schemas import CLIENT_SCORED
 from services.settings import secret_fields
 
 DEFAULT_PRESET = ROOT / "configs" / "dapo.toml"  # what `dapo-mesh up` runs without --config
@@ -133,6 +134,7 @@ _FROM_MESH: dict[Service, dict[str, str | None]] = {
         "sync_broadcast": "transport",
         "reward_url": None,
         "env_url": None,
+        "env_routes": None,
         "weights_dir": None,
         "replica_id": None,
         "eval_every": "eval_every",
@@ -157,6 +159,8 @@ def _owned(name: Service, keys: list[str]) -> str:
             said.append(f"{k}: a secret, given in the environment (DAPO_{k.upper()}), never in a preset")
         elif (field := MESH_FIELD_OF[name][k]) is not None:
             said.append(f"{k}: set [mesh] {field}")
+        elif k in ("env_url", "env_routes"):
+            said.append(f"{k}: name your own environment servers in [mesh] env_servers = [{{url = ...}}]")
         else:
             said.append(f"{k}: the mesh's wiring")
     return "; ".join(said)
@@ -165,6 +169,20 @@ def _owned(name: Service, keys: list[str]) -> str:
 def _near(bad: list[str], allowed: set[str]) -> str:
     near = sorted({m for b in bad for m in difflib.get_close_matches(b, allowed, n=2)})
     return f"did you mean {near}?" if near else f"it has {sorted(allowed)}"
+
+
+class EnvServer(BaseModel):
+    """An environment server of the user's own, speaking dapo-env/1 (any language): the dataset's `env:NAME`
+    parts it serves are run against it (mesh/envs.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(pattern=r"^https?://[^\s/]+", description="Its base URL: GET URL/v1/envs lists its environments.")
+    token_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="The environment variable holding its bearer token (the token itself is never in a preset).",
+    )
 
 
 class MeshConfig(BaseModel):
@@ -222,6 +240,12 @@ class MeshConfig(BaseModel):
         "and serve it on the replicas ([rollout] lora_serving: merged or vLLM's LoRA, replaced each version); unset: "
         "full fine-tuning.",
     )
+    env_servers: list[EnvServer] = Field(
+        default_factory=list,
+        description="Environment servers of your own by URL, each speaking dapo-env/1: the dataset's env:NAME parts "
+        "they serve run against them (the mesh starts its own environment service only for the others). Checked "
+        "before anything starts.",
+    )
     reward: RewardSection = Field(default_factory=RewardSection, description="The reward server's settings.")
     env: EnvSection = Field(
         default_factory=EnvSection, description="The environment service's (started when the dataset has env: parts)."
@@ -261,7 +285,7 @@ class MeshConfig(BaseModel):
         except (ValueError, OSError) as e:
             raise ValueError(f"dataset {self.dataset!r}: {e}") from None
         for v in verifiers:
-            if problem := check_name(v):
+            if v != CLIENT_SCORED and (problem := check_name(v)):
                 raise ValueError(f"dataset {self.dataset!r}: {problem}")
         return self
 

@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from services.datasets import eval_items_path
 from services.ledger import ledger_path
@@ -99,3 +101,30 @@ class RunLayout:
     @property
     def prometheus(self) -> Path:
         return self.root / "prometheus"
+
+    @property
+    def run_file(self) -> Path:
+        """What `dapo-mesh status` and `eval` need of a running mesh (RunFile): its Redis, its environment servers."""
+        return self.root / "run.json"
+
+
+@dataclass(frozen=True)
+class RunFile:
+    """run.json: the embedded Redis's URL (none for an external Redis: its URL may hold a password), and each
+    environment server of the user's with the variable holding its token (never the token)."""
+
+    redis_url: str | None
+    env_servers: list[dict[str, Any]]
+
+    def write(self, layout: RunLayout) -> None:
+        tmp = layout.root / ".run.json.tmp"
+        tmp.write_text(json.dumps({"redis_url": self.redis_url, "env_servers": self.env_servers}, indent=1))
+        tmp.replace(layout.run_file)
+
+    @classmethod
+    def read(cls, layout: RunLayout) -> RunFile | None:
+        try:
+            data = json.loads(layout.run_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return cls(data.get("redis_url"), list(data.get("env_servers") or []))

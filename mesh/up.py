@@ -28,11 +28,13 @@ from typing import Any
 
 from mesh.commands import allocate_ports, service_commands, service_values
 from mesh.config import MeshConfig, PresetError
-from mesh.layout import RunLayout
+from mesh.envs import check_env_servers
+from mesh.layout import RunFile, RunLayout
 from mesh.live import LiveView, ServiceState, scrape
 from mesh.recorder import RunRecorder, line
 from mesh.supervisor import Supervisor
 from services.child_process import ROOT, wait_ready
+from services.schemas import CLIENT_SCORED
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 SCRAPE_EVERY_S = 5.0  # the live view's refresh of health and metrics (and at every new learner step)
@@ -61,16 +63,22 @@ class Mesh:
         return prepare_smollm2(self.paths.smollm2)
 
     def start(self) -> None:
-        """Redis, then every service; returns once each answers /readyz."""
+        """Redis, then every service; returns once each answers /readyz. Everything that can be checked before a
+        service starts is checked first (the data, the environment servers, LoRA): a PresetError in one line."""
+        routes = check_env_servers(self.cfg)  # before the model: a wrong URL or token is said at once
+        for url, names in routes.served.items():
+            self.say(f"env server {url}: {', '.join(names)}")
         model = self.model_dir()
         self.say(f"model: {model}")
-        self.ports = allocate_ports(self.cfg)
-        self.check_data(service_values(self.cfg, model, self.ports)["buffer"])
+        self.ports = allocate_ports(self.cfg, routes)
+        self.check_data(service_values(self.cfg, model, self.ports, routes)["buffer"])
         self.check_lora(model)
         self.started, self._cpu0 = time.monotonic(), time.process_time()  # the run's CPU, not the model's set-up
         self.url = self.cfg.redis_url or self.sup.start_redis()
         self.say(f"redis: {self.url}")
-        for cmd in service_commands(self.cfg, model, self.url, self.ports):
+        servers = [s.model_dump() | {"envs": routes.served.get(s.url, [])} for s in self.cfg.env_servers]
+        RunFile(None if self.cfg.redis_url else self.url, servers).write(self.paths)
+        for cmd in service_commands(self.cfg, model, self.url, self.ports, routes):
             self.sup.spawn(cmd)
         self.write_prometheus_targets()
         for name, proc in self.sup.procs.items():
@@ -95,6 +103,18 @@ class Mesh:
         except (ValueError, OSError) as e:
             raise PresetError(f"dataset {self.cfg.dataset!r}: {e}") from None
         self.say(f"dataset: {source.name}, {len(source.train)} training prompts, {len(source.eval)} held out")
+        if any(it.verifier == CLIENT_SCORED for it in source.train):
+            r = self.cfg.rollout
+            if r.gateway_port is None or not r.gateway_only:
+                raise PresetError(
+                    f'dataset {self.cfg.dataset!r}: its rows say verifier "{CLIENT_SCORED}" (the client of a gateway '
+                    "session scores them): serve them through the gateway only ([rollout] gateway_port, gateway_only)"
+                )
+            if self.cfg.eval_every:
+                raise PresetError(
+                    f'dataset {self.cfg.dataset!r}: verifier "{CLIENT_SCORED}" rows have no scorer in the mesh for a '
+                    "held-out evaluation: set eval_every = 0"
+                )
 
     def check_lora(self, model: Path) -> None:
         """LoRA: the replicas' vLLM serves adapters of this rank on this model and these targets, before anything

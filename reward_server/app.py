@@ -8,8 +8,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI, HTTPException, status
+from fastapi import Depends, FastAPI, HTTPException, status
 from prometheus_client import CollectorRegistry
 
 from reward_server.pool import VerifierPool
@@ -17,7 +18,9 @@ from reward_server.scoring import RewardMetrics, Scorer
 from reward_server.settings import RewardSettings
 from reward_server.verifiers import check_name, dapo_math
 from services.schemas import ScoreItem, ScoreRequest, ScoreResponse
-from services.web import Authorized, create_app
+from services.web import create_app, require_role
+
+Scores = Annotated[None, Depends(require_role("reward_token"))]  # the reward role's token (docs: security)
 
 
 def _check_caps(items: list[ScoreItem], s: RewardSettings) -> None:
@@ -81,7 +84,7 @@ def build_app(settings: RewardSettings) -> FastAPI:
     app.state.pool = pool
 
     @app.post("/v1/score", response_model=ScoreResponse, tags=["reward"])
-    async def score(req: ScoreRequest, _: Authorized) -> ScoreResponse:
+    async def score(req: ScoreRequest, _: Scores) -> ScoreResponse:
         """Score items with their verifier; results in the same order as the items."""
         t0 = time.perf_counter()
         try:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from typing import Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from services.settings import ServiceSettings
 
 
 class RewardSettings(ServiceSettings):
     port: int = Field(8001, ge=0, le=65535, description="HTTP port.")
+    reward_token: SecretStr | None = Field(
+        None,
+        description="The token that scores (POST /v1/score): the replicas hold it. Unset: the auth token. Once set, "
+        "the auth token does not score.",
+    )
     workers: int = Field(2, ge=1, le=256, description="Verifier worker processes (math-verify, reasoning-gym).")
     item_timeout_s: float = Field(5.0, gt=0, le=600, description="Hard time limit of one verification.")
     worker_start_timeout_s: float = Field(120.0, gt=0, description="Time a new worker may take to start.")

@@ -39,7 +39,7 @@ class ChunkedLoop:
             r.begin(d)
         if self.episodes.pending():
             self.generate()
-        if self.episodes.client.closing.is_set():  # told to leave mid-way: nothing is published, prompts stay pending
+        if self.episodes.env.closing.is_set():  # told to leave mid-way: nothing is published, prompts stay pending
             return 0
         return r.publish()
 

@@ -80,8 +80,11 @@ class ContinuousLoop:
         return published
 
     def close(self) -> None:
-        """Leave: the sequences in flight are dropped; their prompts stay pending for another replica. The episodes
-        are closed on the environment service first (an engine that died may not abort)."""
+        """Leave: the sequences in flight are dropped; their prompts stay pending for another replica. The gateway's
+        sessions end first (their clients told, their environment episodes queued to close), then the episodes are
+        closed on the environment service (an engine that died may not abort)."""
+        if self.gateway is not None:
+            self.gateway.close()
         self.episodes.close()
         if self._eval_episodes is not None:
             self._eval_episodes.close()

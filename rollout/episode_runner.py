@@ -35,20 +35,21 @@ environment step of the round before the next: the evaluation's way, and the bas
 from __future__ import annotations
 
 import dataclasses
-import functools
+import hashlib
 import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.engines.base import Completion, ContinuousBatching, Engine, RequestRefused, SamplingParams
-from rollout.env_client import EnvClient, EnvRejected, EnvUnavailable, Opening
-from rollout.episodes import Episode, Renderer
+from rollout.env_calls import EnvCalls, EnvFailure, classify, judge
+from rollout.env_client import EnvClient, EnvUnavailable, Opening
+from rollout.episodes import Ended, Episode, Renderer
 from rollout.metrics import RolloutMetrics
 from rollout.settings import RolloutSettings
 from services.episodes import StepResponse
@@ -121,7 +122,7 @@ class EpisodeRunner:
         s: RolloutSettings,
         tokenizer: Any,
         metrics: RolloutMetrics,
-        client: EnvClient | None = None,
+        env: EnvCalls | None = None,
         *,
         hold_outages: bool = True,
         prefix: str = "x/",
@@ -132,16 +133,14 @@ class EpisodeRunner:
         turns; `priority`: their label in a continuous engine's book-keeping (the evaluation's share)."""
         self.s, self.m, self.tok, self.hold_outages = s, metrics, tokenizer, hold_outages
         self.prefix, self.priority = prefix, priority
-        self.client = client or EnvClient.of(s)
+        self.env = env or EnvCalls(EnvClient.of(s), s.env_concurrency, metrics)  # the gateway's too (replica.py)
         self.render = Renderer(tokenizer, s.chat_template)
         self._render_checked = False  # checked at the first environment task (one-step episodes never need it)
         self._render_problem: str | None = None
-        self.pool = ThreadPoolExecutor(s.env_concurrency, thread_name_prefix="env")
         self.calls: dict[Future[Any], _Live] = {}  # environment calls in flight
         self.ready: list[_Live] = []  # episodes whose next model turn awaits submission
         self.generating: dict[str, _Live] = {}  # engine key -> episode
         self.groups: list[_Group] = []
-        self.closes: dict[Future[None], tuple[str, str]] = {}  # the service told to forget (base, episode id)
         self.live = 0  # episodes begun and not finished
         self.live_env = 0  # ... of them, environments' (not one-step)
 
@@ -165,7 +164,8 @@ class EpisodeRunner:
             if prompt is None:
                 raise ValueError("a single-turn prompt's episodes open on its tokens: `prompt` is missing")
             for j in range(d.message.n_samples):
-                self._begin(lv := _Live(g, j, ep=Episode(env=ONE_STEP, opening=list(prompt), one_step=True)))
+                ep = Episode(ONE_STEP, list(prompt), one_step=True, temperature=params.temperature, top_p=params.top_p)
+                self._begin(lv := _Live(g, j, ep=ep))
                 self.ready.append(lv)
             return
         if self.render_problem:
@@ -183,21 +183,7 @@ class EpisodeRunner:
     def _reset(self, lv: _Live, delay_s: float = 0.0) -> None:
         self._begin(lv)
         lv.ep, lv.turn, lv.t0 = None, 0, time.perf_counter()
-        args = (lv.group.env, lv.group.body, lv.id)
-        self.calls[self.pool.submit(self._timed, "reset", self._later, delay_s, self.client.reset, *args)] = lv
-
-    def _later(self, delay_s: float, fn: Any, *args: Any) -> Any:
-        """fn(*args) after `delay_s` (EnvUnavailable at once when the runner closes meanwhile)."""
-        if delay_s > 0 and self.client.closing.wait(delay_s):
-            raise EnvUnavailable("leaving")
-        return fn(*args)
-
-    def _timed(self, kind: str, fn: Any, *args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.m.env_step_seconds.labels(kind).observe(time.perf_counter() - t0)
+        self.calls[self.env.reset(lv.group.env, lv.group.body, lv.id, delay_s)] = lv
 
     def pending(self) -> int:
         """Episodes begun and not finished."""
@@ -213,19 +199,27 @@ class EpisodeRunner:
             wait(list(self.calls), timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def collect(self) -> None:
-        """Finished environment calls: an opening or a step's answer -> the next model turn, or the episode's end."""
+        """Finished environment calls: an opening or a step's answer -> the next model turn, or the episode's end.
+        What a failed call means is rollout/env_calls.py's rule, the gateway's too."""
         for fut in [f for f in self.calls if f.done()]:
             lv = self.calls.pop(fut)
             waited = time.perf_counter() - lv.t0
             self.m.episode_seconds.labels("env").inc(waited)
             try:
-                self._collected(lv, fut.result(), waited)
-            except EnvUnavailable as e:
-                self._outage(lv, str(e))
-            except EnvRejected as e:
-                self._fail(lv, str(e))
-            except Exception as e:  # an answer that does not read, a template that cannot render it: not retried
-                log.exception("episode %s failed", lv.id)
+                out = fut.result()
+            except Exception as e:
+                failure = classify(e)
+                if failure.kind == "outage":
+                    self._outage(lv, failure.why)
+                else:
+                    self._fail(lv, failure.why)
+                continue
+            try:
+                self._collected(lv, out, waited)
+            except EnvFailure as e:  # a step answered with `error`
+                self._fail(lv, f"turn {lv.turn}'s step: {e.why}")
+            except Exception as e:  # our side cannot go on with the answer (a template that cannot render it):
+                log.exception("episode %s failed", lv.id)  # the same again would fail the same: not retried
                 self._fail(lv, f"{type(e).__name__}: {e}", retry=False)
 
     def _collected(self, lv: _Live, out: Any, waited: float) -> None:
@@ -233,7 +227,10 @@ class EpisodeRunner:
             lv.ep.env_seconds += waited
         if isinstance(out, Opening):
             lv.base = out.base
-            lv.ep = Episode(env=lv.group.env, opening=self.render.opening(out.response.messages))
+            opening = self.render.opening(out.response.messages, out.response.tools)
+            params = lv.group.params
+            lv.ep = Episode(lv.group.env, opening, temperature=params.temperature, top_p=params.top_p)
+            lv.ep.task_key = out.response.task_id
             self.ready.append(lv)
         else:
             self._answered(lv, out)
@@ -245,11 +242,10 @@ class EpisodeRunner:
         for k, v in out.tools.model_dump().items():
             if v:
                 self.m.tool_calls.labels(k).inc(v)
-        if out.error:
-            self._fail(lv, f"turn {lv.turn}'s step: {out.error}")  # the service's words: ours say what failed
-        elif out.done:
-            ep.reward = out.reward if out.reward is not None else -1.0
-            self._end(lv, "max_turns" if out.truncated else "done")
+        verdict = judge(out)
+        if verdict is not None:
+            ep.reward = verdict.reward
+            self._end(lv, verdict.ended)
         else:
             last = ep.last
             assert last is not None  # a step answers a model turn
@@ -265,10 +261,10 @@ class EpisodeRunner:
         lv.ep.reward = -1.0  # as an environment scores an episode it had to cut
         self._end(lv, "max_tokens")
 
-    def _end(self, lv: _Live, ended: str) -> None:
+    def _end(self, lv: _Live, ended: Ended) -> None:
         ep = lv.ep
         assert ep is not None
-        ep.ended = ended  # type: ignore[assignment]
+        ep.ended = ended
         lv.group.done[lv.j] = ep
         self._leave(lv, ended)
         if not lv.group.one_step:
@@ -284,8 +280,7 @@ class EpisodeRunner:
             if ended is not None:
                 self.m.episodes.labels(lv.group.env, ended).inc()
         if lv.base:
-            self.closes = {f: k for f, k in self.closes.items() if not f.done()}
-            self.closes[self.pool.submit(self.client.close, lv.base, lv.id)] = (lv.base, lv.id)
+            self.env.close(lv.base, lv.id)
 
     def _fail(self, lv: _Live, why: str, retry: bool = True) -> None:
         self._leave(lv, "failed")
@@ -303,7 +298,7 @@ class EpisodeRunner:
             self._fail(lv, why, retry=False)
             return
         self._leave(lv, "failed")
-        if self.client.closing.is_set() or lv.group.failed is not None:
+        if self.env.closing.is_set() or lv.group.failed is not None:
             return
         delay = min(OUTAGE_BACKOFF_MAX_S, 2.0 ** min(lv.outages, 5))
         log.warning(
@@ -376,9 +371,7 @@ class EpisodeRunner:
             self._cut(lv)
             return
         lv.t0 = time.perf_counter()
-        self.calls[
-            self.pool.submit(self._timed, "step", self.client.step, lv.base, lv.id, lv.turn, completion.text)
-        ] = lv
+        self.calls[self.env.step(lv.base, lv.id, lv.turn, completion.text)] = lv
 
     # ------------------------------------------------------------------ groups out
 
@@ -395,37 +388,14 @@ class EpisodeRunner:
         self.groups = [g for g in self.groups if g not in out]
         return [(g.delivery, g.dead_letter_kind, g.failed or "") for g in out]
 
-    def _close_opened(self, f: Future[Any], *, episode_id: str) -> None:
-        if isinstance(o := _result(f), Opening):
-            self.client.close(o.base, episode_id)
-
     def close(self, timeout_s: float = 5.0) -> None:
         """Leaving: waits and retries end at once, nothing new starts; the prompts stay pending for another replica.
         The service is told to forget the episodes opened here, in `timeout_s` at most (best effort), so they do
         not hold its sessions until its idle TTL: the live ones, those whose reset answered and was not collected
         yet, and those whose close had not gone out; a reset still running closes its episode when it answers."""
-        if self.client.closing.is_set():  # closed before (a stopped round, then the loop's close)
-            return
-        self.client.closing.set()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        held = [lv for lv in [*self.ready, *self.generating.values(), *self.calls.values()] if lv.base]
-        left = {(lv.base, lv.id) for lv in held} | {k for f, k in self.closes.items() if f.cancelled()}
-        for f, lv in self.calls.items():
-            if not lv.base:  # a reset: answered and not collected yet, or still running (closed when it answers)
-                if f.done():
-                    left |= {(o.base, lv.id)} if isinstance(o := _result(f), Opening) else set()
-                else:
-                    f.add_done_callback(functools.partial(self._close_opened, episode_id=lv.id))
-        if not left:
-            return
-        pool = ThreadPoolExecutor(min(8, len(left)), thread_name_prefix="env-close")
-        wait([pool.submit(self.client.close, base, eid) for base, eid in left], timeout=timeout_s)
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _result(f: Future[Any]) -> Any:
-    """A finished call's result; None when it was cancelled or raised."""
-    return None if f.cancelled() or f.exception() is not None else f.result()
+        held = {(lv.base, lv.id) for lv in [*self.ready, *self.generating.values(), *self.calls.values()] if lv.base}
+        resets = [(f, lv.id) for f, lv in self.calls.items() if not lv.base]
+        self.env.shutdown(held, resets, timeout_s)
 
 
 def run_items(
@@ -480,7 +450,8 @@ def run_turn_by_turn(
                 continue
             t0 = time.perf_counter()
             prompts, n = same_prompts([lv.ep.prompt_ids() for lv in part if lv.ep])
-            outs = engine.generate(prompts, n, dataclasses.replace(params, max_tokens=room))
+            seed = turn_seed(params.seed, part[0].turn, room)  # each turn its own random stream, not turn 1's again
+            outs = engine.generate(prompts, n, dataclasses.replace(params, max_tokens=room, seed=seed))
             for lv, out in zip(part, [c for o in outs for c in o], strict=True):
                 key = runner.key(lv)
                 runner.generating[key] = lv
@@ -488,6 +459,15 @@ def run_turn_by_turn(
                 tokens += len(out.token_ids)
                 runner.engine_done(key, out, engine.version)
     return tokens
+
+
+def turn_seed(seed: int | None, turn: int, room: int) -> int | None:
+    """The seed of one engine call of a round: the episodes' seed for their first turn, a seed of its own for each
+    later turn and turn budget (with the episodes' seed, turn k drew the same random numbers as turn 1)."""
+    if seed is None or turn == 0:  # the first turn keeps it: a single-turn evaluation samples as it always did
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{turn}:{room}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest) >> 1
 
 
 def same_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:

@@ -27,6 +27,7 @@ from typing import Any
 from rollout.engines.base import Completion
 from rollout.episode_runner import EpisodeRunner
 from rollout.episodes import Episode
+from rollout.groups import GroupRefused, env_scores, episode_group
 from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable, score_items
 from rollout.settings import RolloutSettings
@@ -129,13 +130,16 @@ class Publisher:
 
     def publish_episodes(self, done: list[tuple[Delivery[PromptTask], list[Episode]]], decode: Any) -> int:
         """Finished episode groups published with their prompts' acknowledgement (no scoring request: the
-        environment scored them)."""
+        environment scored them); episodes that are no group (rollout/groups.py) dead-lettered with the reason."""
         if not done:
             return 0
-        good, bad = episode_groups(self.s, done, decode)
-        for d, why in bad:
-            log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
-            self.consumer.dead_letter([d], "env_rejected", why)
+        good = []
+        for d, eps in done:
+            try:
+                good.append((d, episode_group(d.message, eps, env_scores(eps), self.s.replica_id, decode)))
+            except GroupRefused as e:
+                log.error("prompt %s dead-lettered: %s", d.message.task_id, e)
+                self.consumer.dead_letter([d], "env_rejected", str(e))
         if good:
             self.consumer.ack_and_publish([d.entry_id for d, _ in good], [(STREAM_ROLLOUTS, g) for _, g in good])
         self.m.groups.inc(len(good))
@@ -186,26 +190,6 @@ class Publisher:
             task = task.model_copy(update={"prompt_token_ids": TokenIds(prompt)})  # the learner trains on these
             groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id=self.s.replica_id))
         return groups
-
-
-def episode_groups(
-    s: RolloutSettings, done: list[tuple[Delivery[PromptTask], list[Episode]]], decode: Any
-) -> tuple[list[tuple[Delivery[PromptTask], ScoredGroup]], list[tuple[Delivery[PromptTask], str]]]:
-    """Finished episodes as scored groups: the environment's reward is the score (success: reward > 0; no overlong
-    shaping, an episode is cut at --max-episode-tokens instead), the opening is the prompt the learner trains on.
-    A group whose episodes opened differently (an environment that does not draw the same task from the same
-    seed) cannot share one prompt: it is refused with the reason."""
-    good, bad = [], []
-    for d, eps in done:
-        opening = eps[0].opening
-        if any(e.opening != opening for e in eps):
-            bad.append((d, "the environment opened the same task differently in one group"))
-            continue
-        samples = [e.sample(s.temperature, s.top_p, decode(e.ids)) for e in eps]
-        scores = [Score(reward=float(e.reward or 0.0), acc=(e.reward or 0.0) > 0) for e in eps]
-        task = d.message.model_copy(update={"prompt_token_ids": TokenIds(opening)})
-        good.append((d, ScoredGroup(task=task, samples=samples, scores=scores, replica_id=s.replica_id)))
-    return good, bad
 
 
 def versions(c: Completion, version: int) -> dict[str, Any]:

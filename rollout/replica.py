@@ -39,7 +39,7 @@ from rollout.publisher import Publisher
 from rollout.reward_client import RewardClient
 from rollout.settings import RolloutSettings
 from rollout.weight_receiver import WeightReceiver
-from services.schemas import PromptTask
+from services.schemas import CLIENT_SCORED, PromptTask
 from services.streams import GROUP_ROLLOUT, STREAM_PROMPTS, Delivery, StreamConsumer
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,13 @@ class Replica:
         )
 
     def begin(self, d: Delivery[PromptTask]) -> bool:
-        """The prompt's G episodes begun (True); a malformed environment task dead-lettered instead (False)."""
+        """The prompt's G episodes begun (True); a malformed environment task, or a client-scored one (only a
+        gateway session's client can score it), dead-lettered instead (False)."""
+        if d.message.verifier == CLIENT_SCORED:
+            why = "a client-scored task is rolled out by gateway sessions only (run the replica with --gateway-only)"
+            log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
+            self.consumer.dead_letter([d], "client_scored", why)
+            return False
         try:
             spec = env_task(d.message)
         except ValueError as e:

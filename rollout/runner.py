@@ -14,12 +14,12 @@ import logging
 import threading
 from typing import Any
 
+import httpx
 import redis
 
 from rollout.chunked_loop import ChunkedLoop
 from rollout.continuous_loop import ContinuousLoop
 from rollout.engines import load_engine
-from rollout.env_client import EnvClient
 from rollout.gateway.app import create_gateway_app
 from rollout.gateway.core import Gateway
 from rollout.gateway.metrics import GatewayMetrics
@@ -31,6 +31,7 @@ from rollout.weight_receiver import WeightReceiver
 from services.dtype import resolve_dtype
 from services.placement import place
 from services.service_process import ServiceProcess
+from services.settings import role_token
 from services.web import serve_in_thread
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ def build(
         )
         gateway = None
         if s.gateway_port is not None:
-            gateway = Gateway(s, engine.tokenizer, GatewayMetrics(metrics.registry), EnvClient.of(s))
+            # its environments' tasks go through the replica's one environment-call path (rollout/env_calls.py)
+            gateway = Gateway(s, engine.tokenizer, GatewayMetrics(metrics.registry), replica.episodes.env)
         return replica, ContinuousLoop(replica, engine, gateway)
     if s.gateway_port is not None:
         raise ValueError("--gateway-port: the gateway is served by the vllm engine's continuous batching")
@@ -93,12 +95,49 @@ def build(
 
 
 def reward_client(s: RolloutSettings) -> RewardClient:
-    token = s.reward_token.get_secret_value() if s.reward_token else None
+    secret = role_token(s, "reward_token")
+    token = secret.get_secret_value() if secret else None
     return RewardClient(s.reward_url, token=token, timeout_s=s.reward_timeout_s, retries=s.reward_retries)
+
+
+def check_credentials(s: RolloutSettings) -> None:
+    """A replica whose token a peer refuses is a configuration error: it stops at start-up with what to set, before
+    it loads an engine or takes a prompt (a refused token mid-run would otherwise fail every prompt it takes). A
+    peer that does not answer yet is not an error: the replica waits for it as for any outage."""
+    auth = " (or DAPO_AUTH_TOKEN, which it falls back to)"
+    probes = [
+        (
+            "reward server",
+            "POST",
+            f"{s.reward_url}/v1/score",
+            role_token(s, "reward_token"),
+            "DAPO_REWARD_TOKEN" + auth,
+        ),
+        ("environment service", "GET", f"{s.env_url}/v1/envs", role_token(s, "env_token"), "DAPO_ENV_TOKEN" + auth),
+    ]
+    for name, url in s.env_routes.items():
+        secret = s.env_route_tokens.get(name)
+        probes.append(
+            (f"{name}'s environment server", "GET", f"{url}/v1/envs", secret, f"DAPO_ENV_ROUTE_TOKENS[{name}]")
+        )
+    for name, method, url, secret, var in probes:
+        headers = {"Authorization": f"Bearer {secret.get_secret_value()}"} if secret else {}
+        try:
+            status = httpx.request(method, url, json={"items": []}, headers=headers, timeout=5).status_code
+        except httpx.HTTPError as e:
+            log.info("the %s at %s does not answer yet (%s): its tasks wait for it", name, url, type(e).__name__)
+            continue
+        if status in (401, 403):
+            sent = "its token" if secret else "no token"
+            raise SystemExit(
+                f"the {name} at {url} refused this replica's credentials ({status}, {sent} sent): set {var} to the "
+                f"{name}'s token"
+            )
 
 
 def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
     s = settings
+    check_credentials(s)
     reward = reward_client(s)
     servers: list[Any] = []  # the gateway's
     beat_stop = threading.Event()

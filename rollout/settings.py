@@ -57,14 +57,28 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     seed: int | None = Field(None, description="Sampling seed (unset: random).")
     chat_template: bool = Field(True, description="Wrap prompts in the model's chat template when it has one.")
     reward_url: str = Field("http://127.0.0.1:8001", description="Base URL of the reward server.")
-    reward_token: SecretStr | None = Field(None, description="Bearer token for the reward server.")
+    reward_token: SecretStr | None = Field(
+        None, description="The reward server's token (its DAPO_REWARD_TOKEN); unset: the auth token."
+    )
     reward_timeout_s: float = Field(60.0, gt=0, description="Timeout of one scoring request.")
     reward_retries: int = Field(5, ge=0, description="Retries with backoff before the prompts are left pending.")
     env_url: str = Field(
         "http://127.0.0.1:8005",
         description="Base URL of the environment service, for prompts whose verifier is env:<name> (episodes).",
     )
-    env_token: SecretStr | None = Field(None, description="Bearer token for the environment service.")
+    env_token: SecretStr | None = Field(
+        None, description="The environment service's token (its DAPO_ENV_TOKEN); unset: the auth token."
+    )
+    env_routes: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environments served by other dapo-env/1 servers than env_url's, as JSON: name -> base URL, "
+        'e.g. {"guess": "http://my-env:9000"} (their tokens: env_route_tokens).',
+    )
+    env_route_tokens: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description="The tokens of env_routes' servers, by environment name, as JSON (a secret: "
+        "DAPO_ENV_ROUTE_TOKENS or DAPO_ENV_ROUTE_TOKENS_FILE); an environment without one is called without a token.",
+    )
     env_timeout_s: float = Field(60.0, gt=0, description="Timeout of one environment call (reset or step).")
     env_retries: int = Field(4, ge=0, description="Retries with backoff of one environment call.")
     env_concurrency: int = Field(16, ge=1, le=1024, description="Environment calls in flight at once (threads).")
@@ -133,6 +147,11 @@ class RolloutSettings(ServiceSettings, RedisSettings):
         False, description="With the gateway: the prompts go to gateway sessions only (the replica rolls none out)."
     )
     gateway_model: str = Field("policy", description="The model name the gateway serves (/v1/models).")
+    session_token: SecretStr | None = Field(
+        None,
+        description="The gateway's session-opening token: POST /v1/sessions and GET /v1/models, nothing else (an "
+        "agent harness holds it; the auth token opens sessions too). Unset: only the auth token opens sessions.",
+    )
     gateway_max_sessions: int = Field(256, ge=1, description="Gateway sessions open at once at most (then 429).")
     gateway_open_wait_s: float = Field(
         2.0, gt=0, le=60, description="How long opening a session waits for a task before answering 429."

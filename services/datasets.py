@@ -353,6 +353,11 @@ def check_spec(spec: str) -> list[str]:
     return verifiers
 
 
+def env_names(spec: str) -> list[str]:
+    """The environments a dataset spec's `env:NAME` parts name, in order."""
+    return [_env_part(p)[0] for p in (p.strip() for p in spec.split(";")) if p.startswith("env:")]
+
+
 def part_weight(part: str) -> float:
     """The weight of one part of a mixture: a reasoning-gym part's tasks' sum, a file part's `=w` (default 1)."""
     if part.startswith("reasoning_gym:"):

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 from services.arrays import LogProbs, TokenIds
 
 SCHEMA_VERSION: Literal[1] = 1
+CLIENT_SCORED = "client"  # a task's verifier when its dataset says the client scores it (a gateway session's reward)
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -43,7 +44,11 @@ class PromptTask(Message):
     prompt: str | None = Field(None, description="Prompt text (already templated).")
     prompt_token_ids: TokenIds | None = Field(None, description="Prompt token ids, if pre-tokenised.")
     ground_truth: str = Field(description="What the verifier compares against (may be JSON).")
-    verifier: str = Field(min_length=1, description="Verifier name, e.g. dapo_math, reasoning_gym:chain_sum.")
+    verifier: str = Field(
+        min_length=1,
+        description="Verifier name, e.g. dapo_math, reasoning_gym:chain_sum; env:<name> (an environment scores "
+        'it); "client" (the client of a gateway session gives its reward).',
+    )
     data_source: str = Field(min_length=1)
     n_samples: int = Field(ge=1, le=1024, description="G, samples per prompt.")
     dispatch_version: int = Field(0, ge=0, description="Learner policy version when dispatched.")

@@ -1,7 +1,10 @@
 """Settings: one pydantic-settings class per service, read from `DAPO_*` env vars and `--flags`.
 
 A bad value stops the service at start-up with a message that names the setting. Secrets are
-`SecretStr` and are redacted (as are passwords inside URLs) wherever settings are printed.
+`SecretStr` and are redacted (as are passwords inside URLs) wherever settings are printed. A secret is never
+taken from the command line (`ps` shows every process's arguments to every user of the machine): it comes from
+its environment variable (`DAPO_AUTH_TOKEN`) or from a file that variable names (`DAPO_AUTH_TOKEN_FILE=/run/secrets/
+token`, as Docker and Kubernetes mount secrets); a secret flag stops the service with a message saying so.
 
     class RewardSettings(ServiceSettings):
         port: int = Field(8001, ge=1, le=65535, description="HTTP port")
@@ -11,13 +14,23 @@ A bad value stops the service at start-up with a message that names the setting.
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict, SettingsError
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    CliApp,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 S = TypeVar("S", bound="DapoSettings")
 
@@ -29,8 +42,30 @@ def redact_url(url: str) -> str:
     return _URL_PASSWORD.sub(r"\1:***@", url)
 
 
+class SecretFiles(PydanticBaseSettingsSource):
+    """Each secret setting from the file its `DAPO_<NAME>_FILE` variable names (the whole file, trailing newline
+    removed; a mapping of secrets as a JSON object). The variable itself (`DAPO_<NAME>`) wins when both are set."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in secret_fields(self.settings_cls):
+            path = os.environ.get(f"DAPO_{name.upper()}_FILE")
+            if not path:
+                continue
+            try:
+                text = Path(path).read_text().rstrip("\n")
+            except OSError as e:
+                raise SettingsError(f"DAPO_{name.upper()}_FILE={path}: cannot read it ({e.strerror})") from None
+            out[name] = json.loads(text) if text.startswith("{") else text
+        return out
+
+
 class DapoSettings(BaseSettings):
-    """Base of every settings class: DAPO_ env prefix, kebab-case CLI flags, redaction."""
+    """Base of every settings class: DAPO_ env prefix, kebab-case CLI flags, secrets from the environment or from
+    files, redaction."""
 
     model_config = SettingsConfigDict(
         env_prefix="DAPO_",
@@ -40,17 +75,31 @@ class DapoSettings(BaseSettings):
         validate_default=True,
     )
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, dotenv_settings, SecretFiles(settings_cls), file_secret_settings
+
     def redacted(self) -> dict[str, Any]:
         """The settings as JSON-able values, secrets and URL passwords replaced by stars."""
         out = self.model_dump(mode="json")  # SecretStr dumps as '**********'
         return {k: redact_url(v) if isinstance(v, str) and "://" in v else v for k, v in out.items()}
 
     def secret_values(self) -> list[str]:
-        """The plain values of every secret, for the log filter that masks them."""
-        values = [v.get_secret_value() for v in self.__dict__.values() if isinstance(v, SecretStr)]
+        """The plain values of every secret (a mapping's too), for the log filter that masks them."""
+        values: list[str] = []
         for v in self.__dict__.values():
-            if isinstance(v, str) and (m := _URL_PASSWORD.search(v)):
-                values.append(m.group(2))
+            for x in v.values() if isinstance(v, dict) else [v]:
+                if isinstance(x, SecretStr):
+                    values.append(x.get_secret_value())
+                elif isinstance(x, str) and (m := _URL_PASSWORD.search(x)):
+                    values.append(m.group(2))
         return [v for v in values if v]
 
 
@@ -79,7 +128,9 @@ class ServiceSettings(DapoSettings):
     host: str = Field("127.0.0.1", description="Address to bind the HTTP server to.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: any free port).")
     auth_token: SecretStr | None = Field(
-        None, description="Bearer token required on every endpoint except /healthz. Unset: no auth."
+        None,
+        description="The mesh administration's bearer token: every endpoint but /healthz wants it, and the routes of "
+        "a role whose own token is unset (reward, environments) take it instead. Unset: no auth (loopback only).",
     )
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond).")
     api_docs: bool = Field(False, description="Serve /openapi.json, /docs and /redoc (behind the token if one is set).")
@@ -108,9 +159,23 @@ def is_loopback(host: str) -> bool:
 
 
 def secret_fields(cls: type[BaseModel]) -> frozenset[str]:
-    """The settings of `cls` whose values are secrets (`SecretStr`, optional or not): redacted wherever printed,
-    never echoed in an error, never in a preset or on a command line."""
+    """The settings of `cls` whose values are secrets (`SecretStr`, optional or not, or a mapping of them):
+    redacted wherever printed, never echoed in an error, never in a preset or on a command line."""
     return frozenset(n for n, f in cls.model_fields.items() if "SecretStr" in str(f.annotation))
+
+
+def role_token(settings: BaseModel, field: str) -> SecretStr | None:
+    """A role's credential: its own setting (`reward_token`, `env_token`, ...) or, unset, the mesh's auth token —
+    so a mesh given `DAPO_AUTH_TOKEN` alone works, and each role's token can be set apart from it."""
+    own = getattr(settings, field, None)
+    return own if own is not None else getattr(settings, "auth_token", None)
+
+
+def secret_flags(cls: type[BaseModel], argv: Sequence[str]) -> list[str]:
+    """The secret settings `argv` gives as flags (`--auth-token T`, `--auth-token=T`): refused."""
+    flags = {f"--{name.replace('_', '-')}": name for name in secret_fields(cls)}
+    flags |= {f"--{name}": name for name in secret_fields(cls)}
+    return sorted({flags[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in flags})
 
 
 def _setting_name(loc: tuple[Any, ...]) -> str:
@@ -123,6 +188,16 @@ def _setting_name(loc: tuple[Any, ...]) -> str:
 def load_settings(cls: type[S], argv: Sequence[str] | None = None, *, prog: str | None = None) -> S:
     """Parse env + CLI flags into `cls`; on a bad value print which setting and why, then exit 2."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if given := secret_flags(cls, args):
+        lines = [
+            f"  --{n.replace('_', '-')}: set DAPO_{n.upper()} or DAPO_{n.upper()}_FILE (a file holding it)"
+            for n in given
+        ]
+        sys.stderr.write(
+            f"invalid settings for {prog or cls.__name__}: a secret is never given on the command line (every user "
+            "of the machine can read it there):\n" + "\n".join(lines) + "\n"
+        )
+        raise SystemExit(2)
     try:
         return CliApp.run(cls, cli_args=args, cli_prog_name=prog)
     except ValidationError as e:

@@ -2,7 +2,8 @@
 
 registry = CollectorRegistry()
 app = create_app("reward", settings, registry, ready=lambda: (pool_alive(), "process pool"))
-app.include_router(my_router, dependencies=[Depends(require_token)])
+app.include_router(my_router, dependencies=[Depends(require_token)])      # the mesh administration's token
+@app.post("/v1/score", dependencies=[Depends(require_role("reward_token"))])  # a role's own token (docs: security)
 serve(app, settings)
 """
 
@@ -19,7 +20,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response, 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from pydantic import BaseModel
 
-from services.settings import ServiceSettings
+from services.settings import ServiceSettings, role_token
 
 log = logging.getLogger(__name__)
 disable_created_metrics()  # the *_created series double every counter for no use here
@@ -33,18 +34,36 @@ class Health(BaseModel):
     detail: str = ""
 
 
-async def require_token(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    """Bearer-token check (constant-time compare); open when the service has no token set."""
-    token = request.app.state.settings.auth_token
+def _check(token: Any, authorization: str | None, name: str) -> None:
+    """Bearer-token check (constant-time compare); open when no token is set."""
     if token is None:
         return
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.get_secret_value().encode()):
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
-            "missing or wrong bearer token: send `Authorization: Bearer <DAPO_AUTH_TOKEN>`",
+            f"missing or wrong bearer token: send `Authorization: Bearer <{name}>`",
             headers={"WWW-Authenticate": "Bearer"},
         )
+
+
+async def require_token(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    """The mesh administration's token (DAPO_AUTH_TOKEN); open when the service has none."""
+    _check(request.app.state.settings.auth_token, authorization, "DAPO_AUTH_TOKEN")
+
+
+class require_role:  # noqa: N801 (a dependency, used as `Depends(require_role("reward_token"))`)
+    """A dependency wanting a role's token (`reward_token`: DAPO_REWARD_TOKEN), or the auth token while the role
+    has none of its own: the administration's token does not open a role's routes once the role has its own."""
+
+    def __init__(self, field: str):
+        self.field = field
+
+    async def __call__(self, request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+        settings = request.app.state.settings
+        own = getattr(settings, self.field) is not None
+        name = f"DAPO_{self.field.upper()}" if own else "DAPO_AUTH_TOKEN"
+        _check(role_token(settings, self.field), authorization, name)
 
 
 Authorized = Annotated[None, Depends(require_token)]

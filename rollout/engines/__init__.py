@@ -85,20 +85,28 @@ def load_engine(
 ) -> Engine | ContinuousBatching:
     """`kind`: vllm or hf. `dtype`: resolved already (services.dtype.resolve_dtype), bf16 or fp32. `batching`:
     chunked (engine calls), or continuous (vLLM only: `update` says what a weight load does to the sequences in
-    flight, `seed` seeds its sampling once). `vllm_kw`: VllmEngine's options (kv_cache_gib, eager, cpu_cores...)."""
+    flight, `seed` seeds its sampling once). `vllm_kw`: VllmEngine's options (kv_cache_gib, eager, cpu_cores...).
+    Without a seed the engine samples from fresh randomness: torch's generator starts from a fixed seed in every
+    process and vLLM seeds it with 0, so two unseeded runs would otherwise sample the same texts."""
     if kind not in ("vllm", "hf"):
         raise ValueError(f"unknown engine {kind!r}: use vllm or hf")
     if batching == "continuous" and kind != "vllm":
         raise ValueError(f"continuous batching needs the vllm engine, not {kind!r}")
+    engine: Engine | ContinuousBatching
     if kind == "hf":
         from rollout.engines.hf import HFEngine
 
-        return HFEngine(model_dir, dtype=dtype)
-    from rollout.engines.vllm_chunked import VllmEngine
+        engine = HFEngine(model_dir, dtype=dtype)
+    else:
+        from rollout.engines.vllm_chunked import VllmEngine
 
-    engine = VllmEngine(model_dir, dtype=dtype, **vllm_kw)
-    if batching == "chunked":
-        return engine
-    from rollout.engines.continuous import ContinuousEngine
+        engine = VllmEngine(model_dir, dtype=dtype, **vllm_kw)
+        if batching == "continuous":
+            from rollout.engines.continuous import ContinuousEngine
 
-    return ContinuousEngine(engine, update=update, seed=seed)
+            engine = ContinuousEngine(engine, update=update, seed=seed)
+    if seed is None:
+        import torch
+
+        torch.seed()  # from the operating system's randomness: a fresh random stream in every run
+    return engine

@@ -1,16 +1,19 @@
 """The gateway's HTTP API: OpenAI's (models, chat completions, completions; streamed or not) and the sessions'.
 
-    POST /v1/sessions                 mesh token   -> a session: its API key, the task to do (or OpenSession.task)
-    GET  /v1/models                   key or token
-    POST /v1/chat/completions         key or token (a session key: captured; the mesh token: not)  calls.py
-    POST /v1/completions              key or token                                                 calls.py
-    GET  /v1/sessions/{id}            its key or the token  -> its state, calls, segments
-    POST /v1/sessions/{id}/end        its key or the token  -> ended with a reward, or scored by the reward server
+    POST /v1/sessions                 mesh or session-opening token -> a session: its key, the task to do
+    GET  /v1/models                   any credential
+    POST /v1/chat/completions         a session's key (captured) or the mesh token (not)           calls.py
+    POST /v1/completions              a session's key or the mesh token                            calls.py
+    GET  /v1/sessions/{id}            its key or the mesh token  -> its state (and how it ended), calls, segments
+    POST /v1/sessions/{id}/end        its key or the mesh token  -> ended with a reward, or scored
 
-Errors are OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 for a bad request (what is
-wrong, and where), 401 for a wrong or expired key, 404 for an unknown model or session, 409 for a second call of a
-session while one is in flight, 429 with Retry-After when no task is handed out in time or a bound is reached,
-503 with Retry-After when the reward server is down at a session's end (nothing is lost: end it again).
+Errors are OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 a bad request (what is wrong, and
+where); 401 a wrong key or a credential the route does not take; 403 a reward the client may not give (the trust
+model: docs/operations/security.md); 404 an unknown model or session; 409 a second call (or an end) of a session
+while one is in flight; 410 a session that is over (the message says how it ended); 429 with Retry-After when no
+task is handed out in time or a bound is reached; 502 when the environment failed to score the answer (the session
+is failed: not trained on); 503 with Retry-After when the environment or the reward server is down (nothing is
+lost: retry) or the replica is leaving.
 """
 
 from __future__ import annotations
@@ -26,45 +29,56 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.engines.base import Completion
-from rollout.env_client import EnvRejected, EnvUnavailable
+from rollout.env_calls import EnvFailure, classify, judge, result
+from rollout.env_client import Opening
 from rollout.gateway import calls
-from rollout.gateway.auth import ApiError, Auth, Caller, mesh
-from rollout.gateway.core import Busy, Conflict, Gateway, Seat, Waiter
+from rollout.gateway.auth import ApiError, Auth, Caller, leaving, mesh, opens
+from rollout.gateway.core import Busy, Conflict, Gateway, Leaving, Seat, Waiter
 from rollout.gateway.schemas import EndSession, OpenSession
-from rollout.gateway.sessions import CallRefused, Session
+from rollout.gateway.sessions import Session
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable, score_items
 from rollout.settings import RolloutSettings
-from services.schemas import PromptTask, Score
+from services.schemas import CLIENT_SCORED, PromptTask, Score
 from services.web import BodySizeLimit
 
 router = APIRouter()
 
 
 def create_gateway_app(gw: Gateway, reward: RewardClient) -> FastAPI:
-    app = FastAPI(title="dapo-mesh gateway (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="dapo-mesh gateway (OpenAI-compatible)",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        exception_handlers={
+            ApiError: _api_error,
+            RequestValidationError: _invalid,
+            StarletteHTTPException: _http_error,
+        },
+    )
     app.add_middleware(BodySizeLimit, max_bytes=gw.s.max_body_bytes)
     app.state.gw, app.state.reward = gw, reward
-    app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.include_router(router)
     app.include_router(calls.router)
     return app
 
 
-async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+async def _api_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, ApiError)
     _count(request, e.status)
     return e.response()
 
 
-async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+async def _invalid(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, RequestValidationError)
     first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
     where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
     _count(request, 400)
     return ApiError(400, f"{where or 'body'}: {first.get('msg')}", param=where).response()
 
 
-async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, StarletteHTTPException)
     _count(request, e.status_code)
     return ApiError(e.status_code, str(e.detail)).response()
 
@@ -107,7 +121,7 @@ def model(request: Request, model: str, _: Auth) -> dict[str, Any]:
     return model_card(s)
 
 
-@router.post("/v1/sessions", status_code=201, dependencies=[Depends(mesh)])
+@router.post("/v1/sessions", status_code=201, dependencies=[Depends(opens)])
 async def open_session(request: Request, body: OpenSession | None = None) -> dict[str, Any]:
     """A session for the next task the mesh hands out (or the client's own): its key and its task (an
     environment's task: as its environment opens it, with its tools)."""
@@ -120,49 +134,74 @@ async def open_session(request: Request, body: OpenSession | None = None) -> dic
         raise ApiError(429, str(e), "rate_limit_error", retry_after=1) from e
     except Conflict as e:
         raise ApiError(409, str(e)) from e
+    except Leaving as e:
+        raise leaving(e) from e
     except ValueError as e:
         raise ApiError(400, str(e), param="task") from e
     if seat is None:
-        try:
-            seat = await asyncio.wait_for(asyncio.shield(waiter.future), gw.s.gateway_open_wait_s)
-        except TimeoutError:
-            with gw.lock:
-                seat = gw.withdraw(waiter)
-            if seat is None:
-                gw.m.rejected.labels("no_task").inc()
-                raise ApiError(
-                    429,
-                    "no task is handed out now (the buffer holds back: staleness bound or capacity); retry",
-                    "rate_limit_error",
-                    retry_after=1,
-                ) from None
-    assert seat is not None
+        seat = await wait_for_seat(gw, waiter)
     if seat.env is not None:
         await open_env(gw, seat)
     return session_info(gw.s, seat)
 
 
-async def open_env(gw: Gateway, seat: Seat) -> None:
-    """An environment's task: the session's own episode, reset from the task's seed; its opening and tools."""
-    assert seat.env is not None
-    name, body = seat.env
-    episode = f"gw-{seat.session.sid}"
-    seat.session.busy = True  # not expired while its environment opens
+async def wait_for_seat(gw: Gateway, waiter: Waiter) -> Seat:
+    """The seat the loop hands this waiter; a 429 when none comes in time. A client gone meanwhile leaves no
+    session behind (a seat it was given goes back)."""
     try:
-        if gw.envs is None:
-            raise EnvRejected(400, "this replica has no environment service (--env-url)")
-        opening = await run_in_threadpool(gw.envs.reset, name, body, episode)
-    except EnvUnavailable as e:
+        got = await asyncio.wait_for(asyncio.shield(waiter.future), gw.s.gateway_open_wait_s)
+    except TimeoutError:
         with gw.lock:
-            gw.unseat(seat.session)
-        raise ApiError(503, f"{e}; retry", "server_error", retry_after=2) from e
-    except EnvRejected as e:
+            got = gw.withdraw(waiter)
+        if got is None:
+            gw.m.rejected.labels("no_task").inc()
+            raise ApiError(
+                429,
+                "no task is handed out now (the buffer holds back: staleness bound or capacity); retry",
+                "rate_limit_error",
+                retry_after=1,
+            ) from None
+    except asyncio.CancelledError:
         with gw.lock:
-            gw.refuse_task(seat.session.task_id, "env_rejected", str(e)[:500])
-        raise ApiError(503, f"{e}; the task is dead-lettered, retry for another", "server_error", retry_after=1) from e
+            if (seat := gw.withdraw(waiter)) is not None:
+                gw.abandon(seat.session, "its client went away before it was opened")
+        raise
+    if isinstance(got, Leaving):
+        raise leaving(got)
+    assert isinstance(got, Seat)
+    return got
+
+
+async def open_env(gw: Gateway, seat: Seat) -> None:
+    """An environment's task: the session's own episode, reset from the task's seed through the replica's
+    environment calls (rollout/env_calls.py: one rule for what a failure means); its opening and tools."""
+    assert seat.env is not None
+    session = seat.session
+    if gw.env is None:
+        with gw.lock:
+            gw.env_failed(session, EnvFailure("failed", "this replica has no environment service"), "at its opening")
+        raise ApiError(503, "this replica has no environment service (--env-url)", "server_error", retry_after=5)
+    name, body = seat.env
+    fut = gw.env.reset(name, body, seat.episode_id)
+    try:
+        opening: Opening = await asyncio.shield(asyncio.wrap_future(fut))
+    except asyncio.CancelledError:  # the client went away: the reset's episode is closed when it answers
+        with gw.lock:
+            gw.abandon(session, "its client went away while its environment opened")
+        env = gw.env
+        fut.add_done_callback(lambda f: env.close(o.base, seat.episode_id) if (o := result(f)) else None)
+        raise
+    except Exception as e:  # no answer, a refusal, an answer out of protocol
+        failure = classify(e)
+        with gw.lock:
+            gw.env_failed(session, failure, "at its opening")
+        retry = "retry" if failure.kind == "outage" else "retry for another session"
+        raise ApiError(503, f"{failure.why}; {retry}", "server_error", retry_after=2) from None
     with gw.lock:
-        seat.session.env = (opening.base, episode)
-        seat.session.failed(time.monotonic())  # not busy any more, and its idle time starts now
+        ok = gw.opened(seat, opening.base, opening.response.tools)
+    if not ok:  # over meanwhile (the replica left)
+        gw.env.close(opening.base, seat.episode_id)
+        raise ApiError(503, f"session {session.sid} is over: {session.why}", "server_error", retry_after=1)
     seat.messages = [m.model_dump(exclude_none=True) for m in opening.response.messages]
     seat.tools = [t.model_dump() for t in opening.response.tools]
 
@@ -176,17 +215,21 @@ def session_info(s: RolloutSettings, seat: Seat) -> dict[str, Any]:
         "idle_expiry_s": s.gateway_idle_s,
         "max_calls": s.gateway_max_calls,
         "task": {
-            "task_id": t.task_id,
+            "task_id": t.prompt_id if t.data_source == "gateway" else t.task_id,
             "prompt_id": t.prompt_id,
             "data_source": t.data_source,
             "group_size": t.n_samples,
             "messages": seat.messages,
             "tools": seat.tools,
+            "client_scored": t.data_source == "gateway" or t.verifier == CLIENT_SCORED,
         },
     }
 
 
 def owned(gw: Gateway, sid: str, caller: Caller) -> Session:
+    """The session `sid`, for its own key or the mesh token."""
+    if caller.role == "opener":
+        raise ApiError(401, "the session-opening token cannot read or end sessions: use the session's key")
     with gw.lock:
         session = gw.sessions.get(sid)
     if session is None or (caller.session is not None and caller.session is not session):
@@ -196,7 +239,8 @@ def owned(gw: Gateway, sid: str, caller: Caller) -> Session:
 
 @router.get("/v1/sessions/{sid}")
 def session_state(request: Request, sid: str, caller: Auth) -> dict[str, Any]:
-    """The session: its state, calls, and its segments (a rewritten history starts a new one, and says why)."""
+    """The session: its state (and how it ended), calls, and its segments (a rewritten history starts a new one,
+    and says why)."""
     gw: Gateway = request.app.state.gw
     sess = owned(gw, sid, caller)
     with gw.lock:
@@ -206,8 +250,9 @@ def session_state(request: Request, sid: str, caller: Auth) -> dict[str, Any]:
         ]
         return {
             "session_id": sid,
-            "task_id": sess.task_id,
+            "task_id": sess.task_id.removeprefix("own:"),
             "state": sess.state,
+            "why": sess.why or None,
             "calls": sess.calls,
             "segments": segs,
             "reward": sess.reward,
@@ -216,37 +261,51 @@ def session_state(request: Request, sid: str, caller: Auth) -> dict[str, Any]:
 
 @router.post("/v1/sessions/{sid}/end")
 async def end_session(request: Request, sid: str, body: EndSession, caller: Auth) -> dict[str, Any]:
-    """Ended with the client's reward, or scored: by the environment for an environment's task, by the reward
-    server against the task's ground truth for the others."""
+    """Ended with the client's reward (its own task, or a client-scored one), or scored: by the environment for an
+    environment's task, by the reward server against the task's ground truth for the others."""
     gw: Gateway = request.app.state.gw
     sess = owned(gw, sid, caller)
-    if body.score:
+    if body.reward is not None:
         with gw.lock:
-            try:
-                answer = sess.last_answer(body.choice)
-                task = gw.group_task(sess)
-                if sess.state != "open" or task is None:
-                    raise CallRefused(f"session {sid} is {sess.state}")
-                if sess.busy:
-                    raise CallRefused("a call of this session is in flight: end it once answered", conflict=True)
-            except CallRefused as e:
-                raise ApiError(409 if e.conflict else 400, str(e)) from e
-            sess.busy = True  # scoring: no call, no expiry, no second end meanwhile
-        try:
-            score = await (env_score(gw, sess, answer) if sess.env else reward_score(request, task, answer))
-        finally:
-            with gw.lock:
-                sess.busy = False
+            if why := gw.may_set_reward(sess):
+                raise ApiError(403, why, "permission_error", code="reward_not_allowed", param="reward")
+            score = Score(reward=body.reward, acc=body.reward > 0)
+            calls.refusals(lambda: gw.end(sess, body.choice, score))
     else:
-        assert body.reward is not None
-        score = Score(reward=body.reward, acc=body.reward > 0)
-    with gw.lock:
-        try:
-            gw.end(sess, body.choice, score)
-        except CallRefused as e:
-            raise ApiError(409 if e.conflict else 400, str(e)) from e
+        score = await scored(request, gw, sess, body.choice)
     gw.wake.set()
     return {"session_id": sid, "state": "ended", "reward": score.reward, "acc": score.acc}
+
+
+async def scored(request: Request, gw: Gateway, sess: Session, choice: int) -> Score:
+    """The session ended with its scorer's verdict on its last answer (`choice` of its last call)."""
+    with gw.lock:
+        task = gw.group_task(sess)
+        if task is not None and task.verifier == CLIENT_SCORED:
+            raise ApiError(400, f'task {task.task_id} is client-scored: end the session with {{"reward": r}}')
+        answer = calls.refusals(lambda: sess.begin_scoring(choice))
+    try:
+        if sess.env is not None:
+            score = await env_score(gw, sess, answer)
+        else:
+            assert task is not None
+            score = await reward_score(request, task, answer)
+    except EnvFailure as e:
+        with gw.lock:
+            if e.kind == "outage":
+                sess.scoring_failed(time.monotonic())
+            else:
+                gw.env_failed(sess, e, "scoring its last answer")
+        if e.kind == "outage":
+            raise ApiError(503, f"{e.why}; end the session again", "server_error", retry_after=5) from None
+        raise ApiError(502, f"{e.why}; the session is failed, not trained on", "server_error") from None
+    except BaseException:  # the reward server down (503), refusing (400), the client gone: it may end it again
+        with gw.lock:
+            sess.scoring_failed(time.monotonic())
+        raise
+    with gw.lock:
+        calls.refusals(lambda: gw.end(sess, choice, score))
+    return score
 
 
 async def reward_score(request: Request, task: PromptTask, answer: Completion) -> Score:
@@ -262,15 +321,14 @@ async def reward_score(request: Request, task: PromptTask, answer: Completion) -
 
 
 async def env_score(gw: Gateway, sess: Session, answer: Completion) -> Score:
-    """The environment's reward for the last answer, as its final turn (-1 if it does not end the episode)."""
-    assert sess.env is not None and gw.envs is not None
+    """The environment's reward for the last answer, as its final turn (-1 if it does not end the episode);
+    EnvFailure as rollout/env_calls.py classifies it."""
+    assert sess.env is not None and gw.env is not None
     base, episode = sess.env
     try:
-        out = await run_in_threadpool(gw.envs.step, base, episode, 1, answer.text)
-    except EnvUnavailable as e:
-        raise ApiError(503, f"{e}; end the session again", "server_error", retry_after=5) from e
-    except EnvRejected as e:
-        raise ApiError(400, f"the environment refused the answer: {e}") from e
-    await run_in_threadpool(gw.envs.close, base, episode)
-    reward = float(out.reward) if out.done and out.reward is not None else -1.0
+        out = await asyncio.shield(asyncio.wrap_future(gw.env.step(base, episode, 1, answer.text)))
+    except Exception as e:
+        raise classify(e) from None
+    verdict = judge(out)
+    reward = verdict.reward if verdict is not None else -1.0
     return Score(reward=reward, acc=reward > 0)

@@ -1,8 +1,9 @@
 """The OpenAI API's requests, as the gateway accepts them (chat completions, completions, sessions), and its error
-shape. Parameters that would change the distribution sampled from (penalties, logit bias, top-k log-probs beyond
-the sampled token's) are refused with a 400 that says why: the learner corrects for the distribution the tokens
-were sampled from, and these would make its log-probs wrong. Fields a client sends that do not change sampling
-(`user`, `seed`, `parallel_tool_calls`, `metadata`, `store`) are accepted and ignored; anything else is a 400."""
+shape. Parameters that would change the distribution sampled from (top_p < 1, penalties, logit bias, top-k; top-k
+log-probs beyond the sampled token's) are refused with a 400 that says why: the learner recomputes the log-probs of
+the distribution at the sample's temperature, and these would make them wrong. Fields a client sends that do not
+change sampling (`user`, `seed`, `parallel_tool_calls`, `metadata`, `store`) are accepted and ignored; anything else
+is a 400."""
 
 from __future__ import annotations
 
@@ -64,7 +65,13 @@ class Sampling(_Request):
     model: str = Field(min_length=1, max_length=256)
     n: int = Field(1, ge=1, le=128)
     temperature: FiniteFloat = Field(1.0, ge=0, le=2)
-    top_p: FiniteFloat = Field(1.0, gt=0, le=1)
+    top_p: FiniteFloat = Field(
+        1.0,
+        ge=1,
+        le=1,
+        description="Only 1: nucleus sampling truncates the distribution, and the learner recomputes log-probs of the "
+        "whole one at the sample's temperature (the ratio would be wrong on every token).",
+    )
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     stream: bool = False

@@ -1,6 +1,6 @@
 """A minimal service built only from the shared helpers, to test them over real HTTP.
 
-python tests/integration/demo_service.py --port 8123 [--auth-token T]
+DAPO_AUTH_TOKEN=T python tests/integration/demo_service.py --port 8123
 """
 
 import logging

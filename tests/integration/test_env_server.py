@@ -38,9 +38,8 @@ PLUGINS = ",".join(f"tests.integration.env_plugins:{c}" for c in ("Sleepy", "Bro
 
 @pytest.fixture(scope="module")
 def env_url() -> Iterator[str]:
-    args = ("--workers", "2", "--auth-token", TOKEN, "--env-classes", PLUGINS, "--step-timeout-s", "1",
-            "--queue-timeout-s", "0.5")  # fmt: skip
-    with running("env_server", *args, ready_path="/readyz", token=TOKEN) as (base, _):
+    args = ("--workers", "2", "--env-classes", PLUGINS, "--step-timeout-s", "1", "--queue-timeout-s", "0.5")
+    with running("env_server", *args, env={"DAPO_AUTH_TOKEN": TOKEN}, ready_path="/readyz", token=TOKEN) as (base, _):
         yield base
 
 
@@ -57,8 +56,9 @@ def test_the_built_in_service_passes_the_conformance_checker(env_url: str) -> No
         assert f"{env}: steps until done within max_turns; a retried step answers the same" in report.passed
     assert "calculator: bad tool calls come back to the model, counted" in report.passed
     assert "a request without the token is 401" in report.passed
-    cli = subprocess.run([sys.executable, "-m", "env_server.conformance", env_url, "--token", TOKEN, "--env", "retry"],
-                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    cli = subprocess.run([sys.executable, "-m", "env_server.conformance", env_url, "--env", "retry"],
+                         cwd=ROOT, env=child_env(DAPO_ENV_TOKEN=TOKEN), capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
     assert cli.returncode == 0 and " 0 failed" in cli.stdout, cli.stdout + cli.stderr
 
 

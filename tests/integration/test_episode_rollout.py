@@ -284,3 +284,47 @@ def test_held_out_environment_tasks_are_evaluated_as_episodes(
     else:
         assert result.mean_token_version is None
     assert client.xlen(DEAD_LETTER_STREAM) == 0
+
+
+def test_each_turn_of_a_seeded_episode_draws_its_own_random_stream(env_url: str, model_dir: Path) -> None:
+    """Episodes run turn by turn (the chunked loop, the seeded evaluation) with a seed: the second turn is sampled
+    with a seed of its own, not the first turn's again (turn k replayed turn 1's random numbers), and the same seed
+    gives the same episodes again. Unseeded, each run draws fresh randomness: two engines give different texts."""
+    from prometheus_client import CollectorRegistry
+
+    from rollout.engines import SamplingParams, load_engine
+    from rollout.episode_runner import EpisodeRunner, run_items
+    from rollout.metrics import RolloutMetrics
+    from rollout.settings import RolloutSettings
+
+    engine = load_engine(model_dir, "hf")
+    calls: list[int | None] = []
+    generate = engine.generate
+
+    def recorded(prompts, n, params):  # type: ignore[no-untyped-def]
+        calls.append(params.seed)
+        return generate(prompts, n, params)
+
+    engine.generate = recorded  # type: ignore[method-assign]
+    s = RolloutSettings(model_dir=model_dir, env_url=env_url)  # type: ignore[call-arg]
+
+    def episodes(seed: int | None) -> list[list[int]]:
+        runner = EpisodeRunner(s, engine.tokenizer, RolloutMetrics(CollectorRegistry()), hold_outages=False)
+        got = run_items(runner, engine, env_tasks(4, g=2), SamplingParams(max_tokens=6, seed=seed))
+        runner.close()
+        return [e.ids for eps in got.values() for e in eps]
+
+    first = episodes(7)
+    assert len(calls) >= 2 and calls[0] == 7 and len(set(calls)) == len(calls), calls  # a seed per turn
+    assert episodes(7) == first  # seeded: the same episodes again
+    texts = []
+    for _ in range(2):  # unseeded, in two processes: fresh randomness in each
+        code = f"""
+from rollout.engines import SamplingParams, load_engine
+from rollout.engines.base import encode_prompt
+e = load_engine({str(model_dir)!r}, "hf")
+print(e.generate([encode_prompt(e.tokenizer, "Hi")], 4, SamplingParams(max_tokens=12))[0])
+"""
+        texts.append(subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True,
+                                    text=True, timeout=120, check=True).stdout)  # fmt: skip
+    assert texts[0] != texts[1]

@@ -72,8 +72,8 @@ def fuzz(
 @pytest.mark.timeout(600)
 def test_reward_server_survives_10k_generated_requests(tmp_path: Path) -> None:
     log = tmp_path / "reward.log"
-    with running("reward_server", "--workers", "2", "--auth-token", TOKEN, "--api-docs", ready_path="/readyz",
-                 token=TOKEN, log=log) as (base, proc):  # fmt: skip
+    with running("reward_server", "--workers", "2", "--api-docs", env={"DAPO_AUTH_TOKEN": TOKEN},
+                 ready_path="/readyz", token=TOKEN, log=log) as (base, proc):  # fmt: skip
         # generating cases is what takes the time (one core, ~25 ms a case): the invalid half is generated and sent
         # by a second process at the same time (its numbers come back as JSON on its stdout)
         half = subprocess.Popen([sys.executable, "-m", "tests.integration.test_fuzz_http", base], cwd=ROOT,
@@ -100,9 +100,9 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 
 @pytest.mark.slow
 def test_buffer_http_survives_generated_requests(tmp_path: Path, redis_url: str) -> None:
-    args = ["--redis-url", redis_url, "--auth-token", TOKEN, "--api-docs", "--run-dir", str(tmp_path / "run"),
+    args = ["--redis-url", redis_url, "--api-docs", "--run-dir", str(tmp_path / "run"),
             "--dataset-size", "50", "--eval-size", "5"]  # fmt: skip
-    with running("buffer", *args, token=TOKEN, ready_path="/readyz") as (base, proc):
+    with running("buffer", *args, env={"DAPO_AUTH_TOKEN": TOKEN}, token=TOKEN, ready_path="/readyz") as (base, proc):
         stats = fuzz(base, {})
         assert proc.poll() is None
     print(f"buffer fuzz: {dict(stats)}")
@@ -117,7 +117,7 @@ ENV_BUDGET = {("POST", "/v1/episodes"): 400, ("POST", "/v1/episodes/{episode_id}
 def test_env_server_survives_1000_generated_requests(tmp_path: Path) -> None:
     """Resets with generated tasks and seeds, steps with generated messages and turns (to ids that exist or
     not), deletes: every answer is a 2xx or a 4xx."""
-    with running("env_server", "--auth-token", TOKEN, "--api-docs", ready_path="/readyz", token=TOKEN,
+    with running("env_server", "--api-docs", env={"DAPO_AUTH_TOKEN": TOKEN}, ready_path="/readyz", token=TOKEN,
                  log=tmp_path / "env.log") as (base, proc):  # fmt: skip
         for seed in range(20):  # episodes the generated steps can hit (schemathesis draws ids it likes, too)
             httpx.post(f"{base}/v1/episodes", json={"env": "calculator", "seed": seed, "episode_id": f"e{seed}"},
@@ -154,10 +154,11 @@ def test_gateway_survives_2000_generated_requests(tmp_path: Path, model_dir: Pat
     with EmbeddedRedis(tmp_path / "redis") as server:
         gport = free_port()
         args = ["--engine", "vllm", "--model-dir", str(model_dir), "--redis-url", server.url, "--reward-url",
-                reward_url, "--gateway-port", str(gport), "--gateway-only", "--auth-token",
-                TOKEN, "--gateway-max-tokens", "4", "--gateway-max-n", "2", "--gateway-open-wait-s", "0.05",
+                reward_url, "--gateway-port", str(gport), "--gateway-only",
+                "--gateway-max-tokens", "4", "--gateway-max-n", "2", "--gateway-open-wait-s", "0.05",
                 "--gateway-max-context", "256"]  # fmt: skip
-        with running("rollout", *args, env={"OMP_NUM_THREADS": "1"}, ready_path="/readyz", token=TOKEN,
+        env = {"OMP_NUM_THREADS": "1", "DAPO_AUTH_TOKEN": TOKEN}
+        with running("rollout", *args, env=env, ready_path="/readyz", token=TOKEN,
                      timeout_s=300, log=tmp_path / "rollout.log") as (_, proc):  # fmt: skip
             base = f"http://127.0.0.1:{gport}"
             stats = fuzz(base, GATEWAY_BUDGET, prepare=served_model)

@@ -1,15 +1,17 @@
 """The OpenAI-compatible gateway, driven by the official `openai` client against a real replica (vLLM's continuous
-batching on the tiny model), real Redis and a real reward server: sessions for the tasks the mesh hands out,
-multi-turn (streamed and not), captured token-exactly, published as one group whose samples the learner masks
-right; a rewritten history starts a new segment; bad input gets OpenAI-shaped 4xx; a client gone mid-stream
-leaves nothing in the engine."""
+batching on the tiny model), real Redis, a real reward server, the environment service and two third-party
+environment servers that misbehave: sessions for the tasks the mesh hands out, multi-turn (streamed and not),
+captured token-exactly, published as one group whose samples the learner masks right; a rewritten history starts a
+new segment; bad input gets OpenAI-shaped 4xx; a client gone mid-stream leaves nothing in the engine; every session
+ends in a named state whatever fails; rewards only from the task's scorer; each credential opens what it should.
+The whole mesh is given one token (DAPO_AUTH_TOKEN) and a session-opening token: every role falls back to it."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +28,12 @@ from services.episodes import ChatMessage
 from services.redis_server import EmbeddedRedis, free_port
 from services.schemas import PromptTask, ScoredGroup, TrainBatch
 from services.streams import DEAD_LETTER_STREAM, STREAM_PROMPTS, STREAM_ROLLOUTS, StreamProducer, connect, decode
+from tests.integration import third_party_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 TOKEN = "mesh-token-for-tests"
+OPENER = "opener-token-for-tests"
+ROUTE_TOKEN = "third-party-token"
 MESH = {"Authorization": f"Bearer {TOKEN}"}
 IDLE_S = 6
 
@@ -40,31 +45,35 @@ class Mesh:
     env: str  # the environment service
     client: redis.Redis
     proc: subprocess.Popen[bytes]
+    proxy: str  # a third-party server whose resets come back as a proxy's HTML page (env "guessbad")
+    failing: str  # one whose steps all come back with `error` (env "guesserr", behind ROUTE_TOKEN)
 
 
 @pytest.fixture(scope="module")
 def mesh(model_dir: Path, reward_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    token = {"DAPO_AUTH_TOKEN": TOKEN}  # the environment service takes the mesh's token: the replica falls back to it
     with (
         EmbeddedRedis(tmp_path_factory.mktemp("gw-redis")) as server,
-        running("env_server", ready_path="/readyz") as (
-            env_url,
-            _,
-        ),
+        running("env_server", env=token, ready_path="/readyz", token=TOKEN) as (env_url, _),
+        third_party_env.serve(bug="proxy", name="guessbad") as proxy,
+        third_party_env.serve(bug="step_error", name="guesserr", token=ROUTE_TOKEN) as failing,
     ):
         gport = free_port()
+        routes = json.dumps({"guessbad": proxy, "guesserr": failing})
         args = ["--engine", "vllm", "--model-dir", str(model_dir), "--redis-url", server.url, "--reward-url",
                 reward_url, "--replica-id", "gw", "--gateway-port", str(gport),
                 "--gateway-only", "--gateway-idle-s", str(IDLE_S), "--gateway-max-n", "4",
-                "--gateway-max-tokens", "1024", "--max-response-tokens", "24", "--auth-token", TOKEN,
-                "--env-url", env_url]  # fmt: skip
-        replica = running("rollout", *args, env={"OMP_NUM_THREADS": "1"}, ready_path="/readyz", token=TOKEN,
-                          timeout_s=300)  # fmt: skip
+                "--gateway-max-tokens", "1024", "--max-response-tokens", "24", "--episode-retries", "1",
+                "--env-url", env_url, "--env-routes", routes]  # fmt: skip
+        env = token | {"OMP_NUM_THREADS": "1", "DAPO_SESSION_TOKEN": OPENER,
+                       "DAPO_ENV_ROUTE_TOKENS": json.dumps({"guesserr": ROUTE_TOKEN})}  # fmt: skip
+        replica = running("rollout", *args, env=env, ready_path="/readyz", token=TOKEN, timeout_s=300)
         with replica as (ops, proc):
-            yield Mesh(f"http://127.0.0.1:{gport}", ops, env_url, connect(server.url), proc)
+            yield Mesh(f"http://127.0.0.1:{gport}", ops, env_url, connect(server.url), proc, proxy, failing)
 
 
-def task(i: int, g: int = 2, prompt: str = "Add 2 and 3.") -> PromptTask:
-    return PromptTask(task_id=f"gw{i}", prompt_id=f"p{i}", prompt=prompt, ground_truth="5", verifier="dapo_math",
+def task(i: int, g: int = 2, prompt: str = "Add 2 and 3.", verifier: str = "dapo_math", truth: str = "5") -> PromptTask:
+    return PromptTask(task_id=f"gw{i}", prompt_id=f"p{i}", prompt=prompt, ground_truth=truth, verifier=verifier,
                       data_source="test", n_samples=g)  # fmt: skip
 
 
@@ -74,15 +83,36 @@ def open_session(m: Mesh) -> dict:
     return r.json()
 
 
-def wait_group(m: Mesh, task_id: str, timeout_s: float = 60) -> ScoredGroup:
+def groups(m: Mesh) -> list[ScoredGroup]:
+    return [decode(f, ScoredGroup) for _, f in m.client.xrange(STREAM_ROLLOUTS)]
+
+
+def wait_group(m: Mesh, task_id: str, timeout_s: float = 60, *, prompt_id: str | None = None) -> ScoredGroup:
+    """The group of task `task_id` (or the first of `prompt_id`: a client's own task is published under an id of
+    its own per group)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for _, f in m.client.xrange(STREAM_ROLLOUTS):
-            g = decode(f, ScoredGroup)
-            if g.task.task_id == task_id:
+        for g in groups(m):
+            if g.task.task_id == task_id or g.task.prompt_id == prompt_id:
                 return g
         time.sleep(0.2)
-    raise AssertionError(f"no group for {task_id} after {timeout_s} s")
+    raise AssertionError(f"no group for {task_id or prompt_id} after {timeout_s} s")
+
+
+def dead_letters(m: Mesh, kind: str) -> list[tuple[PromptTask, str]]:
+    out = []
+    for _, f in m.client.xrange(DEAD_LETTER_STREAM):
+        if f[b"kind"] == kind.encode():
+            orig = {k[5:]: v for k, v in f.items() if k.startswith(b"orig:")}
+            out.append((decode(orig, PromptTask), f[b"reason"].decode()))
+    return out
+
+
+def until(ok: Callable[[], object], what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}"
+        time.sleep(0.2)
 
 
 def render_ids(messages: list[dict]) -> list[int]:
@@ -98,7 +128,7 @@ def metric(m: Mesh, name: str) -> float:
 
 
 def test_multi_turn_sessions_become_one_token_exact_group(mesh: Mesh) -> None:
-    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(1))
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(1, verifier="client"))  # its client gives the rewards
     tok, render = tiny_tokenizer(), Renderer(tiny_tokenizer())
     seen: list[list[tuple[list[int], list[int], list[float], str]]] = []  # per session: (prompt, ids, logprobs, finish)
     for reward in (1.0, 0.0):
@@ -144,9 +174,10 @@ def test_multi_turn_sessions_become_one_token_exact_group(mesh: Mesh) -> None:
         r = httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"reward": reward},
                        headers={"Authorization": f"Bearer {s['api_key']}"}, timeout=10)  # fmt: skip
         assert r.status_code == 200, r.text
-        # the key is over with its session
-        with pytest.raises(openai.AuthenticationError):
+        # the key is over with its session, and says so
+        with pytest.raises(openai.APIStatusError, match="is over: ended") as e:
             client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        assert e.value.status_code == 410
 
     g = wait_group(mesh, "gw1")
     assert [sc.reward for sc in g.scores] == [1.0, 0.0]
@@ -214,26 +245,33 @@ def test_an_environments_task_opens_and_is_scored_by_its_environment(mesh: Mesh)
     )
     StreamProducer(mesh.client, STREAM_PROMPTS).publish(env_task)
     opened = httpx.post(f"{mesh.base}/v1/sessions", headers=MESH, timeout=30).json()
-    opening = httpx.post(
-        f"{mesh.env}/v1/episodes", json={"env": "calculator", "seed": 3, "episode_id": "check"}, timeout=10
-    ).json()  # the same seed: the same task, as the environment opens it
+    check = {"env": "calculator", "seed": 3, "episode_id": "check"}  # the same seed: the same task, as it opens
+    opening = httpx.post(f"{mesh.env}/v1/episodes", json=check, headers=MESH, timeout=10).json()
+    httpx.delete(f"{mesh.env}/v1/episodes/check", headers=MESH, timeout=10)
     assert opened["task"]["messages"] == [{k: v for k, v in m.items() if v is not None} for m in opening["messages"]]
     assert [t["function"]["name"] for t in opened["task"]["tools"]] == ["calculator"]
-    for k, s in enumerate((opened, open_session(mesh))):
+    sessions = (opened, open_session(mesh))
+    held = env_open(mesh)  # the two sessions' episodes among them
+    for k, s in enumerate(sessions):
         client = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
         r = client.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=8)
         end = httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"score": True}, headers=MESH,
                          timeout=30)  # fmt: skip
         assert end.status_code == 200, end.text
         # the environment's own verdict on the same answer, in a fresh episode of the same task
-        httpx.post(f"{mesh.env}/v1/episodes", json={"env": "calculator", "seed": 3, "episode_id": f"v{k}"}, timeout=10)
+        httpx.post(
+            f"{mesh.env}/v1/episodes",
+            json={"env": "calculator", "seed": 3, "episode_id": f"v{k}"},
+            headers=MESH,
+            timeout=10,
+        )
         step = {"turn": 1, "message": {"role": "assistant", "content": r.choices[0].message.content}}
-        verdict = httpx.post(f"{mesh.env}/v1/episodes/v{k}/step", json=step, timeout=10).json()
+        verdict = httpx.post(f"{mesh.env}/v1/episodes/v{k}/step", json=step, headers=MESH, timeout=10).json()
+        httpx.delete(f"{mesh.env}/v1/episodes/v{k}", headers=MESH, timeout=10)
         want = verdict["reward"] if verdict["done"] else -1.0
         assert end.json()["reward"] == want
-        # the session's own episode was closed on the environment once scored
-        gone = httpx.post(f"{mesh.env}/v1/episodes/gw-{s['session_id']}/step", json=step, timeout=10)
-        assert gone.status_code == 404, gone.text
+        # the session's own episode is closed on the environment once scored (not left to its idle TTL)
+        until(lambda k=k: env_open(mesh) == held - k - 1, "the scored session's episode to be closed")
     g = wait_group(mesh, "gwe")
     assert g.task.prompt_token_ids.tolist() == render_ids(opened["task"]["messages"])
     assert len(g.samples) == 2 and all(x.episode is not None and x.episode.env == "gateway" for x in g.samples)
@@ -255,12 +293,20 @@ def test_a_clients_own_task_makes_its_own_group(mesh: Mesh) -> None:
                          timeout=30)  # fmt: skip
         assert end.status_code == 200, end.text
         keys.append(s["api_key"])
-    # the group is full: a third session of the same task is refused
-    r = httpx.post(f"{mesh.base}/v1/sessions", json={"task": own}, headers=MESH, timeout=30)
-    assert r.status_code in (201, 409)  # 201 only if the full group was already published (a new group begins)
-    g = wait_group(mesh, "mine-1")
+    g = wait_group(mesh, "", prompt_id="mine-1")
     assert g.task.data_source == "gateway" and [sc.reward for sc in g.scores] == [0.5, -0.5]
     assert g.task.prompt_token_ids.tolist() == render_ids([{"role": "user", "content": own["prompt"]}])
+    # the same task id again, once its group is published: a new group of its own, never a duplicate of the first
+    # (the buffer drops a group id it has batched: the client would be told "ended" for nothing)
+    for reward in (1.0, -1.0):
+        s = httpx.post(f"{mesh.base}/v1/sessions", json={"task": own}, headers=MESH, timeout=30).json()
+        client = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
+        client.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=6)
+        httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"reward": reward}, headers=MESH,
+                   timeout=30).raise_for_status()  # fmt: skip
+    until(lambda: len([x for x in groups(mesh) if x.task.prompt_id == "mine-1"]) == 2, "the second group")
+    ids = [x.task.task_id for x in groups(mesh) if x.task.prompt_id == "mine-1"]
+    assert len(set(ids)) == 2 and all(i.startswith("mine-1.") for i in ids)
 
 
 def test_bad_input_gets_openai_shaped_4xx(mesh: Mesh) -> None:
@@ -280,6 +326,8 @@ def test_bad_input_gets_openai_shaped_4xx(mesh: Mesh) -> None:
         ok.chat.completions.create(model="policy", messages=msgs, max_tokens=5000)
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         ok.chat.completions.create(model="policy", messages=msgs, presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="top_p"):  # the learner recomputes the whole distribution
+        ok.chat.completions.create(model="policy", messages=msgs, top_p=0.9)
     r = httpx.post(f"{mesh.base}/v1/chat/completions", headers=MESH, json={"model": "policy"}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     r = httpx.post(f"{mesh.base}/v1/chat/completions", headers=MESH, content=b"{not json", timeout=10)
@@ -314,7 +362,7 @@ def test_bad_input_gets_openai_shaped_4xx(mesh: Mesh) -> None:
     r = httpx.post(f"{mesh.base}/v1/sessions", headers=MESH, timeout=30)
     assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
     # a session key cannot open sessions; an idle session expires and its key with it
-    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(3, g=2))
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(3, g=2, verifier="client"))
     s1, s2 = open_session(mesh), open_session(mesh)
     r = httpx.post(f"{mesh.base}/v1/sessions", headers={"Authorization": f"Bearer {s1['api_key']}"}, timeout=10)
     assert r.status_code == 401
@@ -324,8 +372,9 @@ def test_bad_input_gets_openai_shaped_4xx(mesh: Mesh) -> None:
     c1.chat.completions.create(model="policy", messages=s1["task"]["messages"], max_tokens=4)
     httpx.post(f"{mesh.base}/v1/sessions/{s1['session_id']}/end", json={"reward": 1}, headers=MESH, timeout=10)
     time.sleep(IDLE_S + 2.5)  # s2 never called: abandoned; one ended is too few to train on -> dead-lettered
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.APIStatusError, match="over: abandoned .idle for") as e:
         openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s2["api_key"], max_retries=0).models.list()
+    assert e.value.status_code == 410
     deadline = time.monotonic() + 20
     while not (dead := [f for _, f in mesh.client.xrange(DEAD_LETTER_STREAM) if f[b"kind"] == b"sessions_abandoned"]):
         assert time.monotonic() < deadline, "the abandoned group was not dead-lettered"
@@ -351,3 +400,153 @@ def test_client_gone_mid_stream_leaves_nothing_in_the_engine(mesh: Mesh) -> None
         assert time.monotonic() < deadline, "the stream's sequence is still in the engine"
         time.sleep(0.2)
     assert json.loads(got[0].removeprefix("data: "))["object"] == "chat.completion.chunk"
+
+
+def env_open(m: Mesh) -> float:
+    """Episodes the environment service holds now."""
+    text = httpx.get(f"{m.env}/metrics", headers=MESH, timeout=10).text
+    return float(next(line for line in text.splitlines() if line.startswith("dapo_env_episodes_open ")).split()[-1])
+
+
+def env_closed(m: Mesh) -> float:
+    text = httpx.get(f"{m.env}/metrics", headers=MESH, timeout=10).text
+    series = 'dapo_env_episodes_total{env="calculator",outcome="closed"}'
+    found = [line for line in text.splitlines() if line.startswith(series)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+def env_task_of(i: int, env: str, seed: int, g: int = 2) -> PromptTask:
+    return task(i, g=g, prompt=f"{env} seed {seed}", verifier=f"env:{env}", truth=json.dumps({"seed": seed}))
+
+
+def test_an_environment_that_answers_out_of_protocol_never_wedges_a_session(mesh: Mesh) -> None:
+    """A reset answered with a proxy's HTML page (200, not JSON): each opening fails at once with a 503 that says
+    why, its seat free again (no session left busy, no seat held); past --episode-retries the task is dead-lettered
+    with the reason, and the replica goes on."""
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(env_task_of(10, "guessbad", 1))
+    open_before = metric(mesh, "dapo_gateway_sessions_open")
+    for _ in range(2):  # --episode-retries 1: the second failure gives the task up
+        r = httpx.post(f"{mesh.base}/v1/sessions", headers=MESH, timeout=30)
+        assert r.status_code == 503 and "not JSON" in r.json()["error"]["message"], r.text
+        assert r.headers["retry-after"]
+        assert metric(mesh, "dapo_gateway_sessions_open") == open_before
+    until(lambda: any(t.task_id == "gw10" for t, _ in dead_letters(mesh, "env_failed")), "the task to be given up")
+    why = next(w for t, w in dead_letters(mesh, "env_failed") if t.task_id == "gw10")
+    assert "2 sessions failed by the environment" in why and "not JSON" in why
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(11, g=1, verifier="client"))
+    s = open_session(mesh)  # the next task opens: nothing is wedged
+    assert s["task"]["task_id"] == "gw11"
+    client = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
+    client.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=4)
+    end = httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"reward": 1}, headers=MESH, timeout=10)
+    assert end.status_code == 200, end.text
+
+
+def test_an_environment_failing_the_last_step_fails_the_session_and_closes_its_episode(mesh: Mesh) -> None:
+    """A step answered with `error` at the session's end: the session is failed (a 502 that says why: the model is
+    not to blame, nothing is trained), its key says so, its environment episode is closed at once, and its seat is
+    free for another session of the task — until --episode-retries failures give the task up."""
+    route = {"Authorization": f"Bearer {ROUTE_TOKEN}"}  # the third-party server behind its own token
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(env_task_of(12, "guesserr", 2, g=1))
+    for _ in range(2):  # --episode-retries 1
+        s = open_session(mesh)
+        assert s["task"]["task_id"] == "gw12"
+        assert s["task"]["messages"] == [{"role": "user", "content": "Guess my number from 1 to 5."}]
+        assert len(httpx.get(f"{mesh.failing}/debug/episodes", headers=route, timeout=10).json()) == 1
+        client = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
+        client.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=4)
+        end = f"{mesh.base}/v1/sessions/{s['session_id']}/end"
+        r = httpx.post(end, json={"score": True}, headers=MESH, timeout=30)
+        assert r.status_code == 502 and "the game's process died" in r.json()["error"]["message"], r.text
+        state = httpx.get(f"{mesh.base}/v1/sessions/{s['session_id']}", headers=MESH, timeout=10).json()
+        assert state["state"] == "failed" and "scoring its last answer" in state["why"]
+        until(lambda: httpx.get(f"{mesh.failing}/debug/episodes", headers=route, timeout=10).json() == [],
+              "its episode to be closed")  # fmt: skip
+        with pytest.raises(openai.APIStatusError, match="over: failed") as e:
+            client.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=4)
+        assert e.value.status_code == 410
+    until(lambda: any(t.task_id == "gw12" for t, _ in dead_letters(mesh, "env_failed")), "the task to be given up")
+
+
+def test_an_idle_session_closes_its_environment_episode(mesh: Mesh) -> None:
+    closed = env_closed(mesh)
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(env_task_of(13, "calculator", 5, g=1))
+    s = open_session(mesh)
+    assert s["task"]["task_id"] == "gw13"
+    until(lambda: env_closed(mesh) == closed + 1, "the abandoned session's episode to be closed", IDLE_S + 15)
+    state = httpx.get(f"{mesh.base}/v1/sessions/{s['session_id']}", headers=MESH, timeout=10)
+    assert state.status_code in (200, 404)  # kept until its group is out
+
+
+def test_rewards_come_from_the_tasks_scorer(mesh: Mesh) -> None:
+    """A dispatched task with a verifier: the client may not give its reward (403, whoever asks: the session's key
+    or the mesh token); `score: true` lets the verifier score it. A client-scored task (its dataset says so): the
+    reward is the client's, and there is nothing to score it with."""
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(30, g=1))
+    s = open_session(mesh)
+    key = {"Authorization": f"Bearer {s['api_key']}"}
+    client = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
+    client.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=4)
+    end = f"{mesh.base}/v1/sessions/{s['session_id']}/end"
+    for who in (key, MESH):
+        r = httpx.post(end, json={"reward": 100}, headers=who, timeout=10)
+        assert r.status_code == 403 and "scored by dapo_math, not by the client" in r.text, r.text
+        assert r.json()["error"]["code"] == "reward_not_allowed"
+    r = httpx.post(end, json={"score": True}, headers=key, timeout=30)
+    assert r.status_code == 200 and r.json()["reward"] in (-1.0, 1.0), r.text
+    assert wait_group(mesh, "gw30").scores[0].reward == r.json()["reward"]
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(31, g=1, verifier="client"))
+    s = open_session(mesh)
+    assert s["task"]["client_scored"] is True
+    client = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
+    client.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=4)
+    end = f"{mesh.base}/v1/sessions/{s['session_id']}/end"
+    r = httpx.post(end, json={"score": True}, headers=MESH, timeout=10)
+    assert r.status_code == 400 and "client-scored" in r.text
+    assert httpx.post(end, json={"reward": 0.25}, headers=MESH, timeout=10).status_code == 200
+    assert wait_group(mesh, "gw31").scores[0].reward == 0.25
+
+
+def test_each_credential_opens_only_what_it_should(mesh: Mesh) -> None:
+    """The session-opening token opens sessions and lists the model, nothing else; a session's key reaches its own
+    session only; neither reads the replica's operations endpoints."""
+    opener = {"Authorization": f"Bearer {OPENER}"}
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(40, g=2, verifier="client"))
+    mine, other = (httpx.post(f"{mesh.base}/v1/sessions", headers=opener, timeout=30).json() for _ in range(2))
+    assert mine["task"]["task_id"] == other["task"]["task_id"] == "gw40"
+    assert httpx.get(f"{mesh.base}/v1/models", headers=opener, timeout=10).status_code == 200
+    body = {"model": "policy", "messages": mine["task"]["messages"], "max_tokens": 2}
+    r = httpx.post(f"{mesh.base}/v1/chat/completions", json=body, headers=opener, timeout=10)
+    assert r.status_code == 401 and "cannot call the model" in r.text
+    for path in (f"/v1/sessions/{mine['session_id']}", "/openapi.json"):
+        assert httpx.get(f"{mesh.base}{path}", headers=opener, timeout=10).status_code == 401
+    r = httpx.post(f"{mesh.base}/v1/sessions/{mine['session_id']}/end", json={"reward": 1}, headers=opener, timeout=10)
+    assert r.status_code == 401
+    key = {"Authorization": f"Bearer {mine['api_key']}"}
+    assert httpx.get(f"{mesh.base}/v1/sessions/{other['session_id']}", headers=key, timeout=10).status_code == 404
+    r = httpx.post(f"{mesh.base}/v1/sessions/{other['session_id']}/end", json={"reward": 1}, headers=key, timeout=10)
+    assert r.status_code == 404
+    for who in (opener, key):
+        assert httpx.get(f"{mesh.ops}/metrics", headers=who, timeout=10).status_code == 401
+    for s in (mine, other):
+        c = openai.OpenAI(base_url=f"{mesh.base}/v1", api_key=s["api_key"], max_retries=0)
+        c.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=2)
+        r = httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"reward": 1},
+                       headers={"Authorization": f"Bearer {s['api_key']}"}, timeout=10)  # fmt: skip
+        assert r.status_code == 200, r.text
+
+
+def test_a_client_gone_mid_call_frees_its_session(mesh: Mesh) -> None:
+    """A client that stops waiting for an answer (not streamed): its sequences leave the engine, its session takes
+    the next call — not a 409 for ever."""
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(50, g=1, verifier="client"))
+    s = open_session(mesh)
+    key = {"Authorization": f"Bearer {s['api_key']}"}
+    body = {"model": "policy", "messages": s["task"]["messages"], "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{mesh.base}/v1/chat/completions", json=body, headers=key, timeout=0.2)
+    short = body | {"max_tokens": 2, "ignore_eos": False}
+    chat = f"{mesh.base}/v1/chat/completions"
+    until(lambda: httpx.post(chat, json=short, headers=key, timeout=30).status_code == 200, "its next call to be taken")
+    r = httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"reward": 1}, headers=key, timeout=10)
+    assert r.status_code == 200, r.text

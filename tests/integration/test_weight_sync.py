@@ -40,11 +40,11 @@ TIMEOUT_S = 8.0
 
 
 def start_replica(model_dir: Path, url: str, reward: str, name: str, engine: str, *extra: str,
-                  dtype: str = "fp32") -> subprocess.Popen:  # fmt: skip
+                  dtype: str = "fp32", sync_secret: str | None = None) -> subprocess.Popen:  # fmt: skip
     args = ["--engine", engine, "--dtype", dtype, "--model-dir", str(model_dir), "--redis-url", url,
             "--reward-url", reward, "--port", str(free_port()), "--replica-id", name, "--max-response-tokens", "6",
             "--temperature", "0", "--prompts-per-call", "1", "--heartbeat-ttl-s", "3", *extra]  # fmt: skip
-    env = child_env(OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1") | ({"DAPO_SYNC_SECRET": sync_secret} if sync_secret else {})
     return subprocess.Popen([sys.executable, "-m", "rollout", *args], env=env, cwd=ROOT)
 
 
@@ -256,7 +256,7 @@ def test_a_replica_refuses_a_round_it_cannot_authenticate(tmp_path: Path, model_
     trainer, sender, _ = learner(model_dir, tmp_path / "run", server.url, stage=0, sync_secret="s3cret")
     listening = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout.split()
     assert f"127.0.0.1:{sender.port}" in listening and f"*:{sender.port}" not in listening
-    procs = {n: start_replica(model_dir, server.url, reward_url, n, "hf", "--sync-secret", secret)
+    procs = {n: start_replica(model_dir, server.url, reward_url, n, "hf", sync_secret=secret)
              for n, secret in (("good", "s3cret"), ("evil", "guessed"))}  # fmt: skip
     try:
         for n in procs:

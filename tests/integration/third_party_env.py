@@ -1,8 +1,11 @@
 """A third-party environment server, written from docs/services/environments.md alone: the standard library's
 HTTP server and JSON, nothing of dapo-mesh. One environment, `guess` (a number from 1 to 5, three tries, told
-higher or lower). `bug` makes it break one rule of the protocol, to show the conformance checker notices.
+higher or lower), under another name if asked. With a token, every request must carry it (401 otherwise). `bug`
+makes it break one rule of the protocol, to show the conformance checker and the mesh notice: `retry` (a retried
+step runs again), `endless` (an episode that never ends), `proxy` (a reset answered with a proxy's HTML page, 200),
+`shape` (a reset answered with JSON of the wrong shape), `step_error` (every step answered with `error`).
 
-    with serve(bug=None) as url: ...
+    with serve(bug=None, name="guess", token=None) as url: ...
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ SPEC = {"name": "guess", "description": "Guess a number from 1 to 5.", "tools": 
 class Handler(BaseHTTPRequestHandler):
     episodes: dict[str, dict[str, Any]]
     bug: str | None
+    name: str = "guess"
+    token: str | None = None
 
     def log_message(self, *_: Any) -> None:
         pass
@@ -35,6 +40,12 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _authorized(self) -> bool:
+        if self.token is None or self.headers.get("Authorization") == f"Bearer {self.token}":
+            return True
+        self._send(401, {"detail": "missing or wrong bearer token"})
+        return False
+
     def _body(self) -> Any:
         try:
             return json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
@@ -42,17 +53,25 @@ class Handler(BaseHTTPRequestHandler):
             return None
 
     def do_GET(self) -> None:
+        if not self._authorized():
+            return None
+        if self.path == "/debug/episodes":  # not the protocol's: what the tests look at (episodes held open)
+            return self._send(200, sorted(self.episodes))
         if self.path == "/v1/envs":
-            return self._send(200, {"protocol": "dapo-env/1", "envs": [SPEC]})
+            return self._send(200, {"protocol": "dapo-env/1", "envs": [{**SPEC, "name": self.name}]})
         self._send(404, {"detail": "not found"})
 
     def do_DELETE(self) -> None:
+        if not self._authorized():
+            return None
         m = re.fullmatch(r"/v1/episodes/([^/]+)", self.path)
         if m and self.episodes.pop(m.group(1), None) is not None:
             return self._send(200, {"episode_id": m.group(1), "closed": True})
         self._send(404, {"detail": "no such episode"})
 
     def do_POST(self) -> None:
+        if not self._authorized():
+            return None
         body = self._body()
         if self.path == "/v1/episodes":
             return self._reset(body)
@@ -64,15 +83,19 @@ class Handler(BaseHTTPRequestHandler):
     def _reset(self, body: Any) -> None:
         if not isinstance(body, dict) or ("seed" in body) == ("task" in body):
             return self._send(422, {"detail": "give exactly one of seed and task"})
-        if body.get("env") != "guess":
+        if body.get("env") != self.name:
             return self._send(404, {"detail": f"no environment {body.get('env')!r}"})
+        if self.bug == "proxy":
+            return self._page(b"<html><body>502 Bad Gateway (nginx)</body></html>")
+        if self.bug == "shape":
+            return self._send(200, {"episode": "x", "text": "Guess my number."})
         eid = body.get("episode_id") or f"ep{random.getrandbits(64):x}"
         key = json.dumps([body.get("seed"), body.get("task")])
         if eid in self.episodes:
             ep = self.episodes[eid]
             return self._send(200, ep["opening"]) if ep["key"] == key else self._send(409, {"detail": "in use"})
         secret = random.Random(body.get("seed", 0)).randint(1, 5)
-        opening = {"episode_id": eid, "env": "guess", "task_id": f"secret-{secret}", "tools": [], "max_turns": 3,
+        opening = {"episode_id": eid, "env": self.name, "task_id": f"secret-{secret}", "tools": [], "max_turns": 3,
                    "messages": [{"role": "user", "content": "Guess my number from 1 to 5."}]}  # fmt: skip
         self.episodes[eid] = {"key": key, "opening": opening, "secret": secret, "turn": 0, "last": None}
         self._send(200, opening)
@@ -94,7 +117,16 @@ class Handler(BaseHTTPRequestHandler):
         ep["turn"], ep["last"] = turn, self._judge(ep, str(msg.get("content", "")), turn)
         self._send(200, ep["last"])
 
+    def _page(self, html: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(html)))
+        self.end_headers()
+        self.wfile.write(html)
+
     def _judge(self, ep: dict[str, Any], text: str, turn: int) -> dict[str, Any]:
+        if self.bug == "step_error":
+            return {"messages": [], "done": True, "error": "the game's process died"}
         numbers = re.findall(r"\d+", text)
         guess = int(numbers[-1]) if numbers else 0
         if guess == ep["secret"]:
@@ -106,8 +138,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def serve(bug: str | None = None) -> Iterator[str]:
-    handler = type("H", (Handler,), {"episodes": {}, "bug": bug})
+def serve(bug: str | None = None, name: str = "guess", token: str | None = None) -> Iterator[str]:
+    handler = type("H", (Handler,), {"episodes": {}, "bug": bug, "name": name, "token": token})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
