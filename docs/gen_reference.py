@@ -45,6 +45,7 @@ SERVICES = [
     ("buffer", "Buffer", "buffer.settings", "BufferSettings", "python -m buffer"),
     ("rollout", "Rollout replica", "rollout.settings", "RolloutSettings", "python -m rollout"),
     ("learner", "Learner", "learner.settings", "LearnerSettings", "python -m learner"),
+    ("router", "Router", "router.settings", "RouterSettings", "python -m router"),
 ]
 # what several services inherit: documented once, above the services
 COMMON = [

@@ -6,10 +6,13 @@ key as its API key, runs its own calculator when the model writes <calculator>47
 result back as a tool message, and ends the session when the model answers without a call, asking the mesh to
 score the answer. The mesh captures every call token by token and trains on it; this script knows nothing of that.
 
-    dapo-mesh up --config configs/agents-calculator-gateway.toml &      # the mesh, its gateway on :8010
+    dapo-mesh up --config configs/agents-calculator-gateway.toml &      # the mesh, its one endpoint on :8010
     python examples/gateway_agent.py --base-url http://127.0.0.1:8010/v1 --workers 16
 
-Needs only `pip install openai`. Runs until the gateway goes away (the mesh finished) or --sessions are done.
+It opens sessions with the session-opening token (DAPO_SESSION_TOKEN, else the mesh's DAPO_AUTH_TOKEN; a local mesh
+without one takes any) and does everything else with each session's own key: the credential an agent's code holds
+opens its own session and nothing more. Needs only `pip install openai`. Runs until the gateway goes away (the mesh
+finished) or --sessions are done.
 """
 
 from __future__ import annotations
@@ -67,12 +70,13 @@ def episode(mesh: openai.OpenAI, base_url: str, max_turns: int, max_tokens: int)
             {"role": "tool", "content": calculate(expr), "name": "calculator", "tool_call_id": f"call_{turn}_{i}"}
             for i, expr in enumerate(calls)
         ]
-    end: dict[str, Any] = mesh.post(f"/sessions/{s['session_id']}/end", body={"score": True}, cast_to=object)  # type: ignore[arg-type]
+    end: dict[str, Any] = model.post(f"/sessions/{s['session_id']}/end", body={"score": True}, cast_to=object)  # type: ignore[arg-type]
     return float(end["reward"])
 
 
 def worker(args: argparse.Namespace, stop: threading.Event, done: list[float]) -> None:
-    mesh = openai.OpenAI(base_url=args.base_url, api_key=args.token, max_retries=8, timeout=60)
+    token = os.environ.get("DAPO_SESSION_TOKEN") or os.environ.get("DAPO_AUTH_TOKEN") or "local"
+    mesh = openai.OpenAI(base_url=args.base_url, api_key=token, max_retries=8, timeout=60)
     gone_since: float | None = None
     while not stop.is_set():
         try:
@@ -101,7 +105,6 @@ def worker(args: argparse.Namespace, stop: threading.Event, done: list[float]) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8010/v1", help="The gateway's /v1.")
-    p.add_argument("--token", default=os.environ.get("DAPO_AUTH_TOKEN", "local"), help="The mesh token.")
     p.add_argument("--workers", type=int, default=16, help="Sessions at once.")
     p.add_argument("--sessions", type=int, default=0, help="Stop after this many (0: until the mesh is gone).")
     p.add_argument("--max-turns", type=int, default=4)

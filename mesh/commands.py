@@ -36,6 +36,7 @@ MODULES = {
     "buffer": "buffer",
     "learner": "learner",
     "rollout": "rollout",
+    "router": "router",
 }
 SYNC_PORT = "sync"  # the learner's weight-sync rendezvous, in the ports mapping beside the services' HTTP ports
 
@@ -61,7 +62,8 @@ class ServiceCommand:
 
 def service_names(cfg: MeshConfig, routes: EnvRoutes | None = None) -> list[str]:
     env = ["env"] if uses_envs(cfg, routes) else []
-    return ["reward", *env, "buffer", "learner", *(f"rollout-{i}" for i in range(cfg.replicas))]
+    router = ["router"] if cfg.gateway_port is not None else []  # ready once a replica's gateway is
+    return ["reward", *env, "buffer", "learner", *(f"rollout-{i}" for i in range(cfg.replicas)), *router]
 
 
 def uses_envs(cfg: MeshConfig, routes: EnvRoutes | None = None) -> bool:
@@ -72,7 +74,18 @@ def uses_envs(cfg: MeshConfig, routes: EnvRoutes | None = None) -> bool:
 
 
 def allocate_ports(cfg: MeshConfig, routes: EnvRoutes | None = None) -> dict[str, int]:
-    return {name: free_port() for name in [*service_names(cfg, routes), SYNC_PORT]}
+    """Free ports for every service's HTTP, the weight sync's rendezvous and each replica's gateway (the router's
+    is the preset's gateway_port: the one endpoint agents are told)."""
+    names = [n for n in service_names(cfg, routes) if n != "router"] + [SYNC_PORT]
+    if cfg.gateway_port is not None:
+        names += [gateway_of(f"rollout-{i}") for i in range(cfg.replicas)]
+    ports = {name: free_port() for name in names}
+    return ports | ({"router": cfg.gateway_port} if cfg.gateway_port is not None else {})
+
+
+def gateway_of(replica: str) -> str:
+    """A replica's gateway, in the ports mapping."""
+    return f"gateway-{replica}"
 
 
 def service_commands(
@@ -147,9 +160,14 @@ def service_values(
             "cpu_cores": cores[1] if cores else None,
             "lora_max_rank": cfg.lora_rank,
         }
+        if cfg.gateway_port is not None:  # its own port; the router in front is the one endpoint
+            port = ports[gateway_of(name)]
+            out[name] |= {"gateway_port": port, "gateway_url": f"http://127.0.0.1:{port}"}
         if cfg.eval_every and i == 0:  # rollout-0 evaluates the held-out split the buffer wrote
             out[name] |= {"eval_every": cfg.eval_every, "eval_data": run.eval_items}
             out[name] |= {"eval_size": cfg.eval_size, "eval_k": cfg.eval_k}
+    if cfg.gateway_port is not None:
+        out["router"] = {"port": cfg.gateway_port}
     return {name: v | cfg.section(_service(name)) for name, v in out.items()}
 
 

@@ -40,13 +40,14 @@ from env_server.settings import EnvSettings
 from learner.settings import LearnerSettings
 from reward_server.settings import RewardSettings
 from rollout.settings import RolloutSettings
+from router.settings import RouterSettings
 from services.child_process import ROOT
 from services.schemas import CLIENT_SCORED
 from services.settings import secret_fields
 
 DEFAULT_PRESET = ROOT / "configs" / "dapo.toml"  # what `dapo-mesh up` runs without --config
-Service = Literal["reward", "env", "buffer", "learner", "rollout"]
-SERVICES: tuple[Service, ...] = ("reward", "env", "buffer", "learner", "rollout")
+Service = Literal["reward", "env", "buffer", "learner", "rollout", "router"]
+SERVICES: tuple[Service, ...] = ("reward", "env", "buffer", "learner", "rollout", "router")
 
 
 # set on each section itself: pydantic merges model_config along the bases, and the service's class (a later base)
@@ -92,12 +93,17 @@ class RolloutSection(_PresetSection, RolloutSettings):
     model_config = _SECTION_CONFIG
 
 
+class RouterSection(_PresetSection, RouterSettings):
+    model_config = _SECTION_CONFIG
+
+
 SECTIONS: dict[Service, type[_PresetSection]] = {
     "reward": RewardSection,
     "env": EnvSection,
     "buffer": BufferSection,
     "learner": LearnerSection,
     "rollout": RolloutSection,
+    "router": RouterSection,
 }
 
 # What the mesh sets in each service, and from which [mesh] field (None: the mesh's wiring: ports, paths, URLs,
@@ -135,6 +141,8 @@ _FROM_MESH: dict[Service, dict[str, str | None]] = {
         "reward_url": None,
         "env_url": None,
         "env_routes": None,
+        "gateway_port": "gateway_port",
+        "gateway_url": None,
         "weights_dir": None,
         "replica_id": None,
         "eval_every": "eval_every",
@@ -142,6 +150,7 @@ _FROM_MESH: dict[Service, dict[str, str | None]] = {
         "eval_size": "eval_size",
         "eval_k": "eval_k",
     },
+    "router": {},
 }
 MESH_FIELD_OF: dict[Service, dict[str, str | None]] = {
     name: {k: v for k, v in (_WIRING | wants).items() if k in SECTIONS[name].model_fields}
@@ -240,6 +249,13 @@ class MeshConfig(BaseModel):
         "and serve it on the replicas ([rollout] lora_serving: merged or vLLM's LoRA, replaced each version); unset: "
         "full fine-tuning.",
     )
+    gateway_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Serve the OpenAI-compatible gateway: the router's port, the one endpoint agents use however "
+        "many replicas serve it (each replica's own gateway gets a free port); unset: no gateway.",
+    )
     env_servers: list[EnvServer] = Field(
         default_factory=list,
         description="Environment servers of your own by URL, each speaking dapo-env/1: the dataset's env:NAME parts "
@@ -253,6 +269,9 @@ class MeshConfig(BaseModel):
     buffer: BufferSection = Field(default_factory=BufferSection, description="The buffer's settings.")
     learner: LearnerSection = Field(default_factory=LearnerSection, description="The learner's settings.")
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Every rollout replica's settings.")
+    router: RouterSection = Field(
+        default_factory=RouterSection, description="The gateway's router's (started with gateway_port)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -304,6 +323,14 @@ class MeshConfig(BaseModel):
     def _lora_is_served(self) -> Self:
         if self.lora_rank is not None and self.engine != "vllm":
             raise ValueError('lora_rank: the replicas serve adapters with vLLM\'s LoRA; set engine = "vllm"')
+        return self
+
+    @model_validator(mode="after")
+    def _gateway_is_served(self) -> Self:
+        if self.gateway_port is not None and (self.engine != "vllm" or not self.rollout.stream):
+            raise ValueError('gateway_port: the gateway is served by vLLM\'s continuous batching: engine = "vllm"')
+        if self.gateway_port is None and self.rollout.gateway_only:
+            raise ValueError("[rollout] gateway_only: the replicas serve no gateway: set [mesh] gateway_port")
         return self
 
     def section(self, service: Service) -> dict[str, Any]:

@@ -38,7 +38,14 @@ from services.schemas import CLIENT_SCORED
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 SCRAPE_EVERY_S = 5.0  # the live view's refresh of health and metrics (and at every new learner step)
-JOBS = {"reward": "reward-server", "env": "env-server", "buffer": "buffer", "learner": "learner", "rollout": "rollout"}
+JOBS = {
+    "reward": "reward-server",
+    "env": "env-server",
+    "buffer": "buffer",
+    "learner": "learner",
+    "rollout": "rollout",
+    "router": "router",
+}
 
 
 class Mesh:

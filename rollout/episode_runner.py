@@ -440,6 +440,8 @@ def run_turn_by_turn(
         ready = [lv for lv in ready if lv.group.failed is None]
         if not ready:
             continue
+        order = {id(g): i for i, g in enumerate(runner.groups)}  # the tasks' order, not their resets' answers':
+        ready.sort(key=lambda lv: (order[id(lv.group)], lv.j))  # a seeded round then samples the same again
         params = ready[0].group.params
         budget = {id(lv): runner.budget(lv) for lv in ready}
         for room in sorted(set(budget.values()), reverse=True):

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Literal
 
 import redis
@@ -51,11 +52,14 @@ class Membership:
         self.incarnation = receiver.incarnation if receiver is not None else uuid.uuid4().hex[:12]
         self.leaving = False  # told to leave: every heartbeat from then on says "draining", whatever `state` says
         self.beat_lock = threading.Lock()  # three threads beat: one heartbeat built and written at a time, in order
+        self.gateway_url: str | None = None  # its gateway's address for the router (rollout/runner.py sets it)
+        self.gateway_load: Callable[[], tuple[int, int]] = lambda: (0, 0)  # (sessions it could open, free seats)
 
     # ---------------------------------------------------------------- the heartbeat
 
     def heartbeat(self) -> None:
         with self.beat_lock:  # a heartbeat built before "draining" must not be written after it
+            free, seats = self.gateway_load() if self.gateway_url else (0, 0)
             hb = ReplicaHeartbeat(
                 replica_id=self.s.replica_id,
                 host=self.s.host,
@@ -66,6 +70,9 @@ class Membership:
                 weight_checksum=self.checksum,
                 sync_broadcast=self.receiver is not None,
                 incarnation=self.incarnation,
+                gateway_url=self.gateway_url,
+                gateway_free=free,
+                gateway_seats=seats,
             )
             self.client.set(REPLICA_KEY_PREFIX + self.s.replica_id, pack(hb), px=int(self.s.heartbeat_ttl_s * 1000))
 

@@ -11,6 +11,7 @@ Both loops hold the same parts (rollout/replica.py).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from typing import Any
 
@@ -31,6 +32,7 @@ from rollout.weight_receiver import WeightReceiver
 from services.dtype import resolve_dtype
 from services.placement import place
 from services.service_process import ServiceProcess
+from services.session_keys import replica_tag
 from services.settings import role_token
 from services.web import serve_in_thread
 
@@ -84,7 +86,8 @@ def build(
         gateway = None
         if s.gateway_port is not None:
             # its environments' tasks go through the replica's one environment-call path (rollout/env_calls.py)
-            gateway = Gateway(s, engine.tokenizer, GatewayMetrics(metrics.registry), replica.episodes.env)
+            tag = replica_tag(s.replica_id, replica.membership.incarnation)  # as its heartbeat names it
+            gateway = Gateway(s, engine.tokenizer, GatewayMetrics(metrics.registry), replica.episodes.env, tag)
         return replica, ContinuousLoop(replica, engine, gateway)
     if s.gateway_port is not None:
         raise ValueError("--gateway-port: the gateway is served by the vllm engine's continuous batching")
@@ -92,6 +95,21 @@ def build(
     replica = Replica.build(s, client, chunked, reward, metrics, receiver)
     log.info("%s engine: %d prompts per engine call, weights loaded between calls", s.engine, s.prompts_per_call)
     return replica, ChunkedLoop(replica, chunked)
+
+
+def advertised(s: RolloutSettings) -> str:
+    """The gateway's address for the router: --gateway-url, else the bind address and port (this machine's address
+    when it binds every interface)."""
+    if s.gateway_url:
+        return s.gateway_url.rstrip("/")
+    host = s.host
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{s.gateway_port}"
 
 
 def reward_client(s: RolloutSettings) -> RewardClient:
@@ -172,6 +190,7 @@ def run(settings: RolloutSettings, stop: threading.Event) -> Replica:
                 assert s.gateway_port is not None
                 app = create_gateway_app(gateway, reward_client(s))
                 servers.append(serve_in_thread(app, s, port=s.gateway_port))
+                member.gateway_url, member.gateway_load = advertised(s), gateway.load
             log.info("replica %s ready (%s engine, version %d)", s.replica_id, s.engine, member.engine.version)
             try:
                 while not stop.is_set() and (s.max_prompts is None or replica.publisher.done < s.max_prompts):

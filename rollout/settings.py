@@ -143,6 +143,11 @@ class RolloutSettings(ServiceSettings, RedisSettings):
         description="vLLM, continuous batching: serve the OpenAI-compatible gateway on this port (rollout/gateway/): "
         "agents roll out through sessions, captured token by token for training; unset: off.",
     )
+    gateway_url: str | None = Field(
+        None,
+        description="The gateway's address as the router reaches it, e.g. http://10.0.3.7:8010 (Kubernetes: the pod's "
+        "IP); unset: http://<host>:<gateway-port>, or this machine's address when host binds every interface.",
+    )
     gateway_only: bool = Field(
         False, description="With the gateway: the prompts go to gateway sessions only (the replica rolls none out)."
     )

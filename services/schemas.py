@@ -325,6 +325,13 @@ class ReplicaHeartbeat(Message):
     weight_checksum: int | None = Field(None, ge=0, description="Checksum of the broadcast weights it serves.")
     sync_broadcast: bool = Field(False, description="Joins the learner's weight-broadcast group.")
     incarnation: str = Field("", description="Random per process start: a restarted replica has a new one.")
+    gateway_url: str | None = Field(
+        None, description="Where its OpenAI-compatible gateway answers (None: it serves none): the router sends there."
+    )
+    gateway_free: int = Field(0, ge=0, description="Gateway sessions it could open now (its bound less those open).")
+    gateway_seats: int = Field(
+        0, ge=0, description="Free seats in the tasks its gateway holds: a session opened there joins a group begun."
+    )
     timestamp: float = Field(default_factory=time.time)
 
 

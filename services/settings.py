@@ -86,6 +86,16 @@ class DapoSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, dotenv_settings, SecretFiles(settings_cls), file_secret_settings
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_secret_is_unset(cls, data: Any) -> Any:
+        """A secret given empty (compose's `DAPO_REWARD_TOKEN: ${DAPO_REWARD_TOKEN:-}`, a Secret key left blank) is
+        unset: its role falls back to the auth token instead of expecting an empty bearer."""
+        if isinstance(data, dict):
+            names = secret_fields(cls)
+            return {k: v for k, v in data.items() if not (k in names and v in ("", None))}
+        return data
+
     def redacted(self) -> dict[str, Any]:
         """The settings as JSON-able values, secrets and URL passwords replaced by stars."""
         out = self.model_dump(mode="json")  # SecretStr dumps as '**********'

@@ -131,7 +131,7 @@ async def open_session(request: Request, body: OpenSession | None = None) -> dic
         with gw.lock:
             seat = gw.seat(waiter, body.task if body else None)
     except Busy as e:
-        raise ApiError(429, str(e), "rate_limit_error", retry_after=1) from e
+        raise ApiError(429, str(e), "rate_limit_error", code=e.code, retry_after=1) from e
     except Conflict as e:
         raise ApiError(409, str(e)) from e
     except Leaving as e:
@@ -159,6 +159,7 @@ async def wait_for_seat(gw: Gateway, waiter: Waiter) -> Seat:
                 429,
                 "no task is handed out now (the buffer holds back: staleness bound or capacity); retry",
                 "rate_limit_error",
+                code="no_task",
                 retry_after=1,
             ) from None
     except asyncio.CancelledError:

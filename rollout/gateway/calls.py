@@ -90,7 +90,7 @@ async def enter(gw: Gateway, caller: Caller, req: ChatRequest | CompletionReques
             with gw.lock:
                 sess.call_failed(key, time.monotonic())
         if isinstance(e, Busy):
-            raise ApiError(429, str(e), "rate_limit_error", retry_after=1) from e
+            raise ApiError(429, str(e), "rate_limit_error", code=e.code, retry_after=1) from e
         if isinstance(e, Leaving):
             raise leaving(e) from e
         raise

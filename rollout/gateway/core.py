@@ -60,7 +60,7 @@ from rollout.groups import GroupRefused, episode_group
 from rollout.settings import RolloutSettings
 from services.episodes import ToolSpec
 from services.schemas import CLIENT_SCORED, PromptTask, Score
-from services.session_keys import new_session_id, parse_key, session_key
+from services.session_keys import new_session_id, parse_key, replica_tag, session_key, tag_of
 from services.streams import STREAM_ROLLOUTS, Delivery, StreamConsumer
 
 log = logging.getLogger(__name__)
@@ -159,8 +159,11 @@ class Seat:
 
 
 class Gateway:
-    def __init__(self, s: RolloutSettings, tokenizer: Any, metrics: GatewayMetrics, env: EnvCalls | None = None):
+    def __init__(
+        self, s: RolloutSettings, tokenizer: Any, metrics: GatewayMetrics, env: EnvCalls | None = None, tag: str = ""
+    ):
         self.s, self.tok, self.m = s, tokenizer, metrics
+        self.tag = tag or replica_tag(s.replica_id, "")  # this process's: the start of its session ids (the router's)
         self.env = env  # the replica's environment calls (shared with its own episodes): environments' tasks
         self.render = ChatRenderer(tokenizer, s.chat_template)
         self.limits = Limits(s.gateway_max_calls, s.gateway_max_context)
@@ -183,6 +186,11 @@ class Gateway:
     def authenticate(self, key: str) -> tuple[Session | None, str]:
         """The session this key is for, if open; else None and why (unknown, or how its session ended)."""
         parsed = parse_key(key)
+        if parsed is not None and tag_of(parsed[0]) != self.tag:
+            return None, (
+                f"session {parsed[0]} is over: it is not this replica's (another replica opened it, or this one "
+                "restarted since and lost it); open a new session"
+            )
         s = (self.sessions.get(parsed[0]) or self.retired.get(parsed[0])) if parsed else None
         if s is None or parsed is None or not hmac.compare_digest(s.key_hash, _hash(parsed[1])):
             return None, "unknown session key (or wrong mesh token)"
@@ -193,13 +201,21 @@ class Gateway:
     def open_count(self) -> int:
         return sum(not s.over for s in self.sessions.values())
 
+    def load(self) -> tuple[int, int]:
+        """What the router places sessions by (the heartbeat's thread asks): sessions this replica could open now,
+        and the free seats of the tasks it holds (a session placed here joins a group already begun)."""
+        with self.lock:
+            free = 0 if self.leaving else max(0, self.s.gateway_max_sessions - self.open_count())
+            seats = sum(g.seats for g in self.groups.values() if g.delivery is not None and not g.closed)
+        return free, seats
+
     def seat(self, waiter: Waiter, own: OwnTask | None) -> Seat | None:
         """A session now (a seat free, or the client's own task), or None: the waiter gets one from the loop."""
         if self.leaving:
             raise Leaving("this replica is leaving the mesh")
         if self.open_count() >= self.s.gateway_max_sessions:
             self.m.rejected.labels("sessions").inc()
-            raise Busy(f"{self.s.gateway_max_sessions} sessions are open (--gateway-max-sessions)")
+            raise Busy(f"{self.s.gateway_max_sessions} sessions are open (--gateway-max-sessions)", "sessions_full")
         if own is not None:
             return self._take(self._own_group(own))
         free = self._free()
@@ -238,7 +254,7 @@ class Gateway:
     def _take(self, g: TaskGroup) -> Seat:
         secret = secrets.token_urlsafe(24)
         spec = env_task(g.task)
-        sid = new_session_id(self.s.replica_id)
+        sid = new_session_id(self.tag)
         session = Session(sid, _hash(secret), g.key, self.render, self.limits, time.monotonic(), opening=bool(spec))
         g.seats -= 1
         g.seated_at = time.monotonic()
@@ -303,7 +319,7 @@ class Gateway:
             raise Leaving("this replica is leaving the mesh")
         if len(self.inbox) >= 4 * self.s.max_in_flight:
             self.m.rejected.labels("calls").inc()
-            raise Busy(f"{len(self.inbox)} calls wait for the engine")
+            raise Busy(f"{len(self.inbox)} calls wait for the engine", "calls_full")
         self.inbox.append(p)
         self.wake.set()
 
@@ -520,7 +536,12 @@ class Gateway:
 
 
 class Busy(RuntimeError):
-    """The gateway is at a bound: a 429 with Retry-After."""
+    """The gateway is at a bound: a 429 with Retry-After; `code` says which (sessions_full: a router tries another
+    replica; calls_full)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
 
 
 class Conflict(ValueError):

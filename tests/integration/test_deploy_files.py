@@ -91,7 +91,8 @@ def test_referenced_finds_names() -> None:  # the check above must be able to fa
 
 # ---------------------------------------------------------------------------------------- compose
 
-SCRAPED = {"reward-server": 8001, "env-server": 8005, "learner": 8002, "buffer": 8003, "rollout": 8004}  # HTTP ports
+SCRAPED = {"reward-server": 8001, "env-server": 8005, "learner": 8002, "buffer": 8003, "rollout": 8004,
+           "router": 8010}  # HTTP ports  # fmt: skip
 
 
 def compose() -> dict[str, Any]:
@@ -271,7 +272,8 @@ def test_kustomize_overlay_is_valid(overlay: str) -> None:
         kubernetes_validate.validate(d, "1.31", strict=True)  # raises ValidationError / SchemaNotFoundError
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     for kind, name in (("Deployment", "reward-server"), ("Deployment", "env-server"), ("Deployment", "buffer"),
-                       ("Deployment", "rollout"), ("StatefulSet", "learner"), ("StatefulSet", "redis")):  # fmt: skip
+                       ("Deployment", "rollout"), ("Deployment", "router"), ("StatefulSet", "learner"),
+                       ("StatefulSet", "redis")):  # fmt: skip
         pod = by[(kind, name)]["spec"]["template"]["spec"]
         c = pod["containers"][0]
         assert "readinessProbe" in c and "livenessProbe" in c, name
@@ -311,6 +313,19 @@ def test_kustomize_overlay_is_valid(overlay: str) -> None:
     assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "rollout"}
     config = by[("ConfigMap", "dapo-config")]["data"]
     assert config["DAPO_SYNC_PORT"] == "29600" and "DAPO_AUTH_TOKEN" not in config  # secrets are not config
+    assert config["DAPO_ENV_URL"] == "http://env-server:8005"  # the replicas' environment service
+    # the one endpoint: a ClusterIP Service in front of the router (not of the replicas: a session lives on one),
+    # and each replica's gateway at its pod's own address
+    assert by[("Service", "router")]["spec"].get("clusterIP") != "None"
+    assert by[("Service", "router")]["spec"]["selector"] == {"app.kubernetes.io/name": "router"}
+    replica = by[("Deployment", "rollout")]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in replica["env"]}
+    assert env["DAPO_GATEWAY_URL"]["value"] == "http://$(POD_IP):8010" and "--gateway-port" in replica["args"]
+    # each role its own key of the Secret, optional: absent, the role falls back to the auth token
+    for var, key in (("DAPO_REWARD_TOKEN", "reward-token"), ("DAPO_ENV_TOKEN", "env-token"),
+                     ("DAPO_SESSION_TOKEN", "session-token"), ("DAPO_SYNC_SECRET", "sync-secret")):  # fmt: skip
+        ref = env[var]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "dapo-secrets", "key": key, "optional": True}, var
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -389,6 +404,14 @@ def test_pods_are_locked_down(overlay: str) -> None:
         assert not allowed(policies, pod(other), pod("env-server"), 8005), other
     assert not allowed(policies, pod("env-server"), pod("redis"), 6379)  # it never uses Redis
     assert not allowed(policies, pod("env-server"), pod("learner"), 29600)
+    # the router: agents from anywhere on 8010; it reaches each replica's gateway and Redis (heartbeats), nothing else
+    assert allowed(policies, pod("router"), pod("rollout"), 8010)
+    assert allowed(policies, pod("router"), pod("redis"), 6379)
+    assert not allowed(policies, pod("router"), pod("reward-server"), 8001)
+    assert not allowed(policies, pod("router"), pod("rollout"), 8004)
+    assert not allowed(policies, pod("buffer"), pod("rollout"), 8010)
+    (router,) = [p["spec"] for p in policies if p["metadata"]["name"] == "router"]
+    assert router["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8010}]}]  # any source, this port only
 
 
 @needs["kubectl"]

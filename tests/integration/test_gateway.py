@@ -47,6 +47,7 @@ class Mesh:
     proc: subprocess.Popen[bytes]
     proxy: str  # a third-party server whose resets come back as a proxy's HTML page (env "guessbad")
     failing: str  # one whose steps all come back with `error` (env "guesserr", behind ROUTE_TOKEN)
+    router: str  # the one endpoint in front of the replicas' gateways
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,10 @@ def mesh(model_dir: Path, reward_url: str, tmp_path_factory: pytest.TempPathFact
                        "DAPO_ENV_ROUTE_TOKENS": json.dumps({"guesserr": ROUTE_TOKEN})}  # fmt: skip
         replica = running("rollout", *args, env=env, ready_path="/readyz", token=TOKEN, timeout_s=300)
         with replica as (ops, proc):
-            yield Mesh(f"http://127.0.0.1:{gport}", ops, env_url, connect(server.url), proc, proxy, failing)
+            router = running("router", env=token | {"DAPO_REDIS_URL": server.url}, ready_path="/readyz", token=TOKEN)
+            with router as (router_url, _):
+                base = f"http://127.0.0.1:{gport}"
+                yield Mesh(base, ops, env_url, connect(server.url), proc, proxy, failing, router_url)
 
 
 def task(i: int, g: int = 2, prompt: str = "Add 2 and 3.", verifier: str = "dapo_math", truth: str = "5") -> PromptTask:
@@ -550,3 +554,49 @@ def test_a_client_gone_mid_call_frees_its_session(mesh: Mesh) -> None:
     until(lambda: httpx.post(chat, json=short, headers=key, timeout=30).status_code == 200, "its next call to be taken")
     r = httpx.post(f"{mesh.base}/v1/sessions/{s['session_id']}/end", json={"reward": 1}, headers=key, timeout=10)
     assert r.status_code == 200, r.text
+
+
+def test_the_router_is_one_endpoint_for_the_replicas(mesh: Mesh) -> None:
+    """Through the router: a session placed on a replica with room (one that does not answer is passed over), its
+    calls (streamed too) and its end sent to its replica, the model list to any; a session whose replica is gone a
+    410 that says so; a 429 passed on with its Retry-After."""
+    from services.schemas import ReplicaHeartbeat
+    from services.session_keys import new_session_id, replica_tag, session_key
+    from services.streams import REPLICA_KEY_PREFIX, pack
+
+    # a replica that joined and died: the fullest-looking placement, its heartbeat still there, nothing listening
+    ghost = ReplicaHeartbeat(replica_id="ghost", host="127.0.0.1", port=1, weight_version=0, state="ready",
+                             incarnation="i", gateway_url=f"http://127.0.0.1:{free_port()}", gateway_free=100,
+                             gateway_seats=50)  # fmt: skip
+    mesh.client.set(REPLICA_KEY_PREFIX + "ghost", pack(ghost), px=60_000)
+    time.sleep(1.5)  # the router reads the heartbeats every second
+    via = f"{mesh.router}/v1"
+    opener = openai.OpenAI(base_url=via, api_key=OPENER, max_retries=0)
+    assert [m.id for m in opener.models.list()] == ["policy"]
+    with pytest.raises(openai.RateLimitError, match="no task is handed out"):  # a 429 passes through as it is
+        opener.post("/sessions", body={}, cast_to=object)
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(task(60, g=1, verifier="client"))
+    s: dict = opener.post("/sessions", body={}, cast_to=object)  # type: ignore[assignment]  # the ghost passed over
+    hb = decode_heartbeat(mesh, "gw")
+    assert s["session_id"].startswith(replica_tag("gw", hb.incarnation))
+    client = openai.OpenAI(base_url=via, api_key=s["api_key"], max_retries=0)
+    stream = client.chat.completions.create(model="policy", messages=s["task"]["messages"], max_tokens=8,
+                                            stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text
+    end = client.post(f"/sessions/{s['session_id']}/end", body={"reward": 1.0}, cast_to=object)
+    assert end["state"] == "ended"  # type: ignore[index]
+    assert wait_group(mesh, "gw60").samples[0].episode is not None
+    for sid in (new_session_id(replica_tag("ghost", "i")), new_session_id(replica_tag("nobody", "x"))):
+        gone = openai.OpenAI(base_url=via, api_key=session_key(sid, "s3cret"), max_retries=0)
+        with pytest.raises(openai.APIStatusError, match="is lost with its replica") as e:
+            gone.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        assert e.value.status_code == 410 and e.value.code == "session_replica_gone"
+    mesh.client.delete(REPLICA_KEY_PREFIX + "ghost")
+
+
+def decode_heartbeat(m: Mesh, replica_id: str):  # type: ignore[no-untyped-def]
+    from services.schemas import ReplicaHeartbeat
+    from services.streams import REPLICA_KEY_PREFIX, unpack
+
+    return unpack(m.client.get(REPLICA_KEY_PREFIX + replica_id), ReplicaHeartbeat)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("services", "buffer", "learner", "rollout", "reward_server", "env_server", "mesh")
+PACKAGES = ("services", "buffer", "learner", "rollout", "reward_server", "env_server", "router", "mesh")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 MAX_FUNCTION_LINES = 80
 MAX_FMT_SKIPS = 30

@@ -1,0 +1,219 @@
+"""The router's HTTP app: one OpenAI-compatible endpoint for every replica's gateway.
+
+    POST /v1/sessions        placed on a replica (free seats of a task it holds first, then the most room); a
+                             replica full (429 sessions_full) or unreachable: the next one
+    /v1/sessions/{id}...     to the replica whose tag begins the session id
+    any other /v1/...        with a session's key (Authorization: Bearer dms_<id>_...): to that session's replica;
+                             with another credential (the model list, an uncaptured call): the least loaded replica
+    /healthz /readyz /metrics /config   the router's own (services/web.py)
+
+The router holds no session state and no credential: a session id names its replica (services/session_keys.py),
+so any router routes any session and a restarted one loses nothing; each replica checks the credentials itself.
+Answers pass through as they come (a stream as it streams; 429 and its Retry-After as they are). A session whose
+replica is gone (its heartbeat expired, or it does not answer) is a 410 that says so: the session is lost with its
+replica, the client opens a new one (its task goes back to the stream: another replica reclaims it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.background import BackgroundTask
+
+from router.replicas import Replica, Replicas
+from router.settings import RouterSettings
+from services.session_keys import parse_key
+from services.streams import connect_from
+from services.web import create_app
+
+log = logging.getLogger(__name__)
+HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
+DOWN = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)  # the replica did not take the call
+
+
+class RouterMetrics:
+    def __init__(self, r: CollectorRegistry):
+        self.requests = Counter(
+            "dapo_router_requests", "Calls routed, by route and answer.", ["route", "status"], registry=r
+        )
+        self.replicas = Gauge(
+            "dapo_router_replicas", "Replicas serving a gateway, as the router sees them.", registry=r
+        )
+        self.gone = Counter(
+            "dapo_router_sessions_gone", "Calls for a session whose replica has left (410).", registry=r
+        )
+        self.retried = Counter(
+            "dapo_router_placements_retried",
+            "Session openings sent on to another replica: the first was full or did not answer.",
+            registry=r,
+        )
+        self.seconds = Histogram(
+            "dapo_router_answer_seconds",
+            "Seconds from a call's arrival to the replica's answer beginning to flow back (its headers).",
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+
+
+def error(status: int, message: str, code: str, retry_after: int | None = None) -> JSONResponse:
+    kind = {410: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class Router:
+    def __init__(self, s: RouterSettings, table: Replicas, metrics: RouterMetrics):
+        self.s, self.table, self.m = s, table, metrics
+        self.http: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        timeout = httpx.Timeout(self.s.call_timeout_s, connect=self.s.connect_timeout_s)
+        limits = httpx.Limits(max_connections=self.s.max_connections, max_keepalive_connections=self.s.max_connections)
+        self.http = httpx.AsyncClient(timeout=timeout, limits=limits)
+        await self.table.refresh()
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.s.refresh_s)
+            try:
+                await self.table.refresh()
+            except Exception as e:  # Redis away for a moment: route by the last table read meanwhile
+                log.warning("reading the replicas' heartbeats failed: %s", e)
+            self.m.replicas.set(len(self.table.by_tag))
+
+    async def send(self, request: Request, replica: Replica, body: bytes) -> httpx.Response:
+        """The request as it came, to `replica`; the answer's body not read yet (a stream passes through)."""
+        assert self.http is not None
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        url = replica.url + request.url.path
+        req = self.http.build_request(request.method, url, params=request.query_params, content=body, headers=headers)
+        return await self.http.send(req, stream=True)
+
+    async def open_session(self, request: Request, body: bytes) -> Response:
+        """A new session: the best placement first; a replica full or unreachable passes it on to the next."""
+        last: httpx.Response | None = None
+        for replica in self.table.placements():
+            try:
+                upstream = await self.send(request, replica, body)
+            except DOWN as e:
+                log.warning("replica %s did not take a session (%s): the next one", replica.replica_id, e)
+                self.table.set_aside(replica)
+                self.m.retried.inc()
+                continue
+            if upstream.status_code == 429 and await full(upstream):
+                last = upstream
+                self.m.retried.inc()
+                continue
+            return passed(upstream)
+        if last is not None:
+            return passed(last)
+        why = "no replica serves the gateway now (none has joined, or all are leaving); retry"
+        return error(503, why, "no_replica", retry_after=2)
+
+    async def to_session(self, request: Request, sid: str, body: bytes) -> Response:
+        replica = self.table.of_session(sid)
+        if replica is None:
+            self.m.gone.inc()
+            return gone(sid, "its heartbeat is gone: the replica left the mesh")
+        try:
+            return passed(await self.send(request, replica, body))
+        except DOWN as e:
+            self.m.gone.inc()
+            return gone(sid, f"replica {replica.replica_id} does not answer ({type(e).__name__})")
+
+    async def to_any(self, request: Request, body: bytes) -> Response:
+        for replica in self.table.any():
+            try:
+                return passed(await self.send(request, replica, body))
+            except DOWN:
+                self.table.set_aside(replica)
+        return error(503, "no replica serves the gateway now; retry", "no_replica", retry_after=2)
+
+
+async def full(upstream: httpx.Response) -> bool:
+    """A replica's 429 for its session bound (the next replica may have room), not for want of a task (every
+    replica reads the same stream: the client retries later)."""
+    await upstream.aread()
+    try:
+        return bool(upstream.json()["error"]["code"] == "sessions_full")
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def passed(upstream: httpx.Response) -> Response:
+    """The replica's answer as it is: status, headers, body (streamed as it comes)."""
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+    if upstream.is_stream_consumed:
+        return Response(upstream.content, status_code=upstream.status_code, headers=headers)
+    return StreamingResponse(
+        upstream.aiter_raw(),
+        status_code=upstream.status_code,
+        headers=headers,
+        background=BackgroundTask(upstream.aclose),
+    )
+
+
+def gone(sid: str, why: str) -> JSONResponse:
+    return error(410, f"session {sid} is lost with its replica ({why}): open a new session", "session_replica_gone")
+
+
+def session_of(request: Request) -> str | None:
+    """The session a call belongs to: /v1/sessions/{id}... names it, else a session's key does."""
+    parts = request.url.path.split("/")
+    if len(parts) > 3 and parts[1:3] == ["v1", "sessions"] and parts[3]:
+        return parts[3]
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    parsed = parse_key(key.strip()) if scheme.lower() == "bearer" else None
+    return parsed[0] if parsed else None
+
+
+def build_app(s: RouterSettings) -> FastAPI:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    router = Router(s, Replicas(connect_from(s)), metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        task = asyncio.create_task(router.refresh_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+            if router.http is not None:
+                await router.http.aclose()
+
+    def ready() -> tuple[bool, str]:
+        n = len(router.table.by_tag)
+        if not router.table.read_at:
+            return False, "the replicas' heartbeats not read yet"
+        return n > 0, f"{n} replicas serve a gateway" if n else "no replica serves a gateway yet"
+
+    app = create_app("router", s, registry, ready=ready, lifespan=lifespan)
+    app.state.router = router
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    async def route(request: Request, path: str) -> Any:
+        t0 = time.perf_counter()
+        body = await request.body()
+        if request.method == "POST" and request.url.path == "/v1/sessions":
+            answer, kind = await router.open_session(request, body), "open"
+        elif (sid := session_of(request)) is not None:
+            answer, kind = await router.to_session(request, sid, body), "session"
+        else:
+            answer, kind = await router.to_any(request, body), "other"
+        metrics.requests.labels(kind, str(answer.status_code)).inc()
+        metrics.seconds.observe(time.perf_counter() - t0)
+        return answer
+
+    return app
