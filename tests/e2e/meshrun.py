@@ -16,11 +16,11 @@ from services.ledger import read_ledger
 ENV = {k: v for k, v in os.environ.items() if k != "DAPO_REDIS_URL"} | {"PYTHONPATH": str(ROOT), "COLUMNS": "200"}
 
 
-def start_mesh(tmp_path: Path, *flags: str) -> subprocess.Popen[bytes]:
-    """`dapo-mesh up --tiny --run-dir TMP/run FLAGS`, its output in TMP/up.out."""
+def start_mesh(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`dapo-mesh up --tiny --run-dir TMP/run FLAGS`, its output in TMP/up.out; `env`: more environment."""
     out = (tmp_path / "up.out").open("w")
     cmd = [sys.executable, "-m", "mesh", "up", "--tiny", "--run-dir", str(tmp_path / "run"), *flags]
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV | (env or {}), stdout=out, stderr=subprocess.STDOUT)
 
 
 def version(run_dir: Path) -> int:

@@ -113,6 +113,59 @@ def test_status_shows_versions_sync_and_replicas(embedded_redis) -> None:
     assert [c.strip() for c in row.split("│")[1:6]] == ["r-7", "ready", "11", "555", "240"]
 
 
+def test_status_finds_the_local_runs_embedded_redis(embedded_redis, tmp_path: Path) -> None:
+    """`dapo-mesh status` with no Redis URL reads the local run's embedded Redis (RUN_DIR/run.json, written by `up`),
+    not :6379; with no run and no Redis there, it says so in one line."""
+    from mesh.layout import RunFile, RunLayout
+    from services.streams import KEY_POLICY_VERSION
+
+    client = connect(embedded_redis.url)
+    client.set(KEY_POLICY_VERSION, 31)
+    (tmp_path / ".dapo").mkdir()
+    RunFile(embedded_redis.url, []).write(RunLayout(tmp_path / ".dapo"))
+    root = Path(__file__).resolve().parents[2]
+    r = run(["status"], cwd=tmp_path, PYTHONPATH=str(root))
+    client.delete(KEY_POLICY_VERSION)
+    assert r.returncode == 0, r.stderr
+    assert f"redis: {embedded_redis.url}" in r.stdout and "learner policy version: 31" in r.stdout
+    nowhere = tmp_path / "elsewhere"
+    nowhere.mkdir()
+    r = run(["status", "--run-dir", str(nowhere / ".dapo"), "--redis-url", "redis://127.0.0.1:1/0"], cwd=nowhere,
+            PYTHONPATH=str(root))  # fmt: skip
+    assert r.returncode == 1 and "no mesh at redis://127.0.0.1:1/0" in r.stderr, r.stderr
+
+
+def test_up_checks_your_environment_servers_before_starting_anything(tmp_path: Path) -> None:
+    """A preset naming environment servers by URL: `dapo-mesh up` checks each (reachable, dapo-env/1, its token, the
+    dataset's environments served) before it starts anything, and says what is wrong in one line (exit 2)."""
+    from services.redis_server import free_port
+    from tests.integration import third_party_env
+
+    root = Path(__file__).resolve().parents[2]
+    base = ["up", "--tiny", "--run-dir", str(tmp_path / "run"), "--set", 'mesh.dataset="env:guess"']
+    with third_party_env.serve(name="guess", token="the-token") as url:
+        cases = [
+            (f'[{{url="http://127.0.0.1:{free_port()}"}}]', {}, "not reachable"),
+            (f'[{{url="{url}"}}]', {}, "refused a request without a token (set its token_env) (401)"),
+            (f'[{{url="{url}", token_env="GUESS_TOKEN"}}]', {}, "its token_env GUESS_TOKEN is not set"),
+            (f'[{{url="{url}", token_env="GUESS_TOKEN"}}]', {"GUESS_TOKEN": "no"}, "refused the token in $GUESS_TOKEN"),
+            (f'[{{url="{url}/x", token_env="T"}}]', {"T": "the-token"}, "GET /v1/envs answered 404"),
+        ]
+        for servers, env, said in cases:
+            r = run([*base, "--set", f"mesh.env_servers={servers}"], cwd=root, PYTHONPATH=str(root), **env)
+            assert r.returncode == 2, r.stdout + r.stderr
+            (line,) = [ln for ln in r.stderr.splitlines() if ln.strip()]
+            assert line.startswith("invalid mesh config: env server") and said in line, line
+            assert not (tmp_path / "run" / "logs").exists()  # nothing started
+        ok = f'mesh.env_servers=[{{url="{url}", token_env="GUESS_TOKEN"}}]'
+        r = run([*base, "--set", ok, "--set", 'mesh.dataset="env:maze"'], cwd=root, PYTHONPATH=str(root),
+                GUESS_TOKEN="the-token")  # fmt: skip
+        assert r.returncode == 2 and "dataset env:maze: no environment server serves it" in r.stderr, r.stderr
+        assert f"{url}: guess" in r.stderr
+    r = run([*base, "--set", 'rollout.env_url="http://127.0.0.1:9"'], cwd=root, PYTHONPATH=str(root))
+    assert r.returncode == 2 and "name your own environment servers in [mesh] env_servers" in r.stderr, r.stderr
+
+
 @pytest.mark.slow
 def test_prepare_model_from_a_local_hf_folder(tmp_path: Path) -> None:
     import torch

@@ -25,6 +25,7 @@ SPEC = {"name": "guess", "description": "Guess a number from 1 to 5.", "tools": 
 
 class Handler(BaseHTTPRequestHandler):
     episodes: dict[str, dict[str, Any]]
+    stats: dict[str, int]
     bug: str | None
     name: str = "guess"
     token: str | None = None
@@ -57,6 +58,8 @@ class Handler(BaseHTTPRequestHandler):
             return None
         if self.path == "/debug/episodes":  # not the protocol's: what the tests look at (episodes held open)
             return self._send(200, sorted(self.episodes))
+        if self.path == "/debug/stats":  # ... and how many resets and steps it answered
+            return self._send(200, self.stats)
         if self.path == "/v1/envs":
             return self._send(200, {"protocol": "dapo-env/1", "envs": [{**SPEC, "name": self.name}]})
         self._send(404, {"detail": "not found"})
@@ -98,6 +101,7 @@ class Handler(BaseHTTPRequestHandler):
         opening = {"episode_id": eid, "env": self.name, "task_id": f"secret-{secret}", "tools": [], "max_turns": 3,
                    "messages": [{"role": "user", "content": "Guess my number from 1 to 5."}]}  # fmt: skip
         self.episodes[eid] = {"key": key, "opening": opening, "secret": secret, "turn": 0, "last": None}
+        self.stats["resets"] += 1
         self._send(200, opening)
 
     def _step(self, eid: str, body: Any) -> None:
@@ -115,6 +119,7 @@ class Handler(BaseHTTPRequestHandler):
         if turn != ep["turn"] + 1:
             return self._send(409, {"detail": f"the next turn is {ep['turn'] + 1}"})
         ep["turn"], ep["last"] = turn, self._judge(ep, str(msg.get("content", "")), turn)
+        self.stats["steps"] += 1
         self._send(200, ep["last"])
 
     def _page(self, html: bytes) -> None:
@@ -139,7 +144,8 @@ class Handler(BaseHTTPRequestHandler):
 
 @contextmanager
 def serve(bug: str | None = None, name: str = "guess", token: str | None = None) -> Iterator[str]:
-    handler = type("H", (Handler,), {"episodes": {}, "bug": bug, "name": name, "token": token})
+    attrs = {"episodes": {}, "stats": {"resets": 0, "steps": 0}, "bug": bug, "name": name, "token": token}
+    handler = type("H", (Handler,), attrs)
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
