@@ -5,10 +5,11 @@
 
 It does what the learner's service does around a training step (learner/service.py), with the step itself
 replaced by a wait of `--step-s`: read a TrainBatch through the consumer group `learner`, count it in a
-`LearnerState`, set the policy version, write a snapshot folder (replicas that do not take the broadcast poll it,
-late joiners start from it), broadcast with the real `WeightSender` (`--broadcast`: the version-fenced rounds of
-`--model-dir`'s tensors to the replicas in its group), append the ledger entry, write state.json, acknowledge. The audit
-(`dapo-mesh audit`) reads the same files it reads of a real learner. SIGTERM: stops after the batch in hand and
+`LearnerState`, write a snapshot folder (replicas that do not take the broadcast poll it, late joiners start from
+it), set the policy version (in the learner's order: written, then announced), broadcast with the real
+`WeightSender` (`--broadcast`: the version-fenced rounds of `--model-dir`'s tensors to the replicas in its group),
+append the ledger entry, write state.json, acknowledge. The audit (`dapo-mesh audit`) reads the same files it reads
+of a real learner. SIGTERM: stops after the batch in hand and
 writes, per version, when it was announced and how long the weight sync took.
 """
 
@@ -53,7 +54,7 @@ class SimModule(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.zeros(numel))
 
 
-def snapshot(hf_dir: Path, version: int, module: SimModule, keep: int = 3) -> None:
+def snapshot(hf_dir: Path, version: int, module: SimModule, keep: int = 3) -> Path:
     from safetensors.torch import save_file
 
     folder = snapshot_dir(hf_dir, version)
@@ -62,6 +63,7 @@ def snapshot(hf_dir: Path, version: int, module: SimModule, keep: int = 3) -> No
     write_latest(hf_dir, folder)
     for old in snapshot_folders(hf_dir)[:-keep]:
         shutil.rmtree(hf_dir / old, ignore_errors=True)
+    return folder
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,13 +117,16 @@ def run(a: argparse.Namespace, module: SimModule, stop: threading.Event) -> dict
                 state.advance(batch.batch_id, 1, digest)
                 with torch.no_grad():
                     module.w.add_(1.0)  # new weights: the replicas' checksums change with them
+                # in the learner's order (learner/service.py): the snapshot written, then the version announced, then
+                # the broadcast — a replica told of a version finds its snapshot there
+                folder = snapshot(layout.learner / "hf", state.version, module)  # as hf_export: late joiners
                 announced = time.time()
                 client.set(KEY_POLICY_VERSION, state.version)
                 rebuild_s = registry.get_sample_value("dapo_learner_sync_rebuild_seconds_sum") or 0.0
-                snapshot(layout.learner / "hf", state.version, module)  # as the learner's hf_export: late joiners
                 replicas = 0
                 if sender is not None:
-                    wv = sender.publish(state.version, step=state.step, batch_id=batch.batch_id)
+                    at, step = str(folder), state.step
+                    wv = sender.publish(state.version, step=step, batch_id=batch.batch_id, checkpoint_dir=at)
                     replicas = len(wv.replicas)
                 sync_s = time.time() - announced
                 rebuilt = (registry.get_sample_value("dapo_learner_sync_rebuild_seconds_sum") or 0.0) - rebuild_s

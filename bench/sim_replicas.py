@@ -3,13 +3,16 @@
     python -m bench.sim_replicas --redis-url URL --reward-url URL --prefix p0 --count 64 --tokens-per-s 40 \
         --lengths LENGTHS.json --out STATS.json [--broadcast --model-dir DIR | --weights-dir DIR] [--churn 0.1]
 
-Each simulated replica is a thread running what `python -m rollout` runs (rollout/runner.py) with the chunked loop:
-`Replica.build` (the consumer group reader, the publisher that scores through the real reward server and publishes
-with the acknowledgement, the membership with its heartbeat thread, the real `WeightReceiver` joining the learner's
-broadcast group or the snapshot poll), `ChunkedLoop.step`. Only the engine is simulated: `SimEngine` answers each
+Each simulated replica is a thread running what `python -m rollout` runs (rollout/runner.py): `Replica.build` (the
+consumer group reader, the publisher that scores through the real reward server and publishes with the
+acknowledgement, the membership with its heartbeat thread, the real `WeightReceiver` joining the learner's broadcast
+group or the snapshot poll) and the loop a replica runs — `ContinuousLoop.step` (`--loop continuous`, the default,
+as a vLLM replica runs) or `ChunkedLoop.step` (`--loop chunked`). Only the engine is simulated: it answers each
 prompt with G samples whose lengths are drawn from a recorded run, right with the pass rate written in the prompt,
-and sleeps for as long as generating the tokens takes at `--tokens-per-s`. It records when each weight version was
-loaded; the loop records each prompt's dispatch latency (its stream entry's time to the replica's read).
+taking as long as generating the tokens takes at `--tokens-per-s` — `SimEngine` in one sleep per call,
+`SimContinuousEngine` step by step, its throughput shared by the sequences in flight and weights loaded between two
+steps with them in flight (each token keeps the version that sampled it). It records when each weight version was
+loaded; the replica records each prompt's dispatch latency (its stream entry's time to the replica's read).
 With `--churn F`, every `--churn-every-s` seconds a fraction F of the replicas leaves (its loop closes, its
 heartbeat key is deleted) and as many new ones (new ids) join. SIGTERM: all leave, the stats are written.
 """
@@ -17,6 +20,7 @@ heartbeat key is deleted) and as many new ones (new ids) join. SIGTERM: all leav
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import re
@@ -29,6 +33,7 @@ from typing import Any
 
 from learner.tiny import VOCAB, tiny_tokenizer
 from rollout.chunked_loop import ChunkedLoop
+from rollout.continuous_loop import ContinuousLoop
 from rollout.engines.base import Completion, SamplingParams, counts
 from rollout.replica import Replica
 from services.logs import configure_logging
@@ -88,25 +93,96 @@ class SimEngine:
         self._loaded(version)
 
 
-class SimLoop(ChunkedLoop):
-    """The chunked loop, recording how long each prompt waited in the stream (entry id time -> read)."""
+class SimContinuousEngine(SimEngine):
+    """The ContinuousBatching protocol (rollout/engines/base.py) without a model: each step takes STEP_S, and the
+    tokens of that time at `tokens_per_s` go to the sequences in flight in equal shares; a sequence is done when it
+    has its drawn length, a group when its G are; a load between two steps marks each sequence's tokens so far
+    (theirs are the old version's, the rest the new one's)."""
 
-    def __init__(self, replica: Replica, engine: SimEngine, waits: list[tuple[float, float]]):
-        super().__init__(replica, engine)
-        self.waits = waits
+    STEP_S = 0.02
+    update = "keep"
+    draining = False
 
-    def read(self) -> list[Delivery[Any]]:
-        deliveries = super().read()
+    def __init__(self, tokenizer: Any, tokens_per_s: float, lengths: list[int], seed: int):
+        super().__init__(tokenizer, tokens_per_s, lengths, seed)
+        self.groups: dict[str, list[list[Any]]] = {}  # key -> [length, done, answer text, version marks] per sample
+
+    @property
+    def chunked(self) -> SimEngine:
+        return self
+
+    def in_flight(self, priority: int | None = None) -> int:
+        return sum(1 for g in self.groups.values() for seq in g if seq[1] < seq[0])
+
+    def submit(
+        self, key: str, prompt: list[int], n: int, params: SamplingParams, *, priority: int = 0, stream: bool = False
+    ) -> None:
+        m = QUESTION.search(self.tokenizer.decode(prompt))
+        answer, p = (m.group(1), float(m.group(2))) if m else ("", 0.0)
+        seqs = []
+        for _ in range(n):
+            text = f"Answer: {answer if self.rng.random() < p else answer + '0'}"
+            seqs.append([min(params.max_tokens, self.rng.choice(self.lengths)), 0.0, text, [(self._version, 0)]])
+        self.groups[key] = seqs
+
+    def cancel(self, key: str) -> bool:
+        return self.groups.pop(key, None) is not None
+
+    def take_deltas(self) -> list[Any]:
+        return []
+
+    def abort(self) -> None:
+        self.groups.clear()
+
+    def step(self) -> list[tuple[str, list[Completion]]]:
+        running = [seq for g in self.groups.values() for seq in g if seq[1] < seq[0]]
+        if not running:
+            return []
+        time.sleep(self.STEP_S)
+        share = self.tokens_per_s * self.STEP_S / len(running)
+        for seq in running:
+            seq[1] = min(seq[0], seq[1] + share)
+        done = [key for key, g in self.groups.items() if all(seq[1] >= seq[0] for seq in g)]
+        return [(key, [self._completion(seq) for seq in self.groups.pop(key)]) for key in done]
+
+    def _completion(self, seq: list[Any]) -> Completion:
+        """The sample, each token labelled with the version that held the engine when it was sampled."""
+        length, _, text, marks = seq
+        per_token: list[int] = []  # marks: (the version loaded, the tokens the sequence had then), in order
+        for i, (version, _) in enumerate(marks):
+            end = marks[i + 1][1] if i + 1 < len(marks) else length
+            per_token += [version] * max(0, min(end, length) - len(per_token))
+        runs = tuple((v, len(list(g))) for v, g in itertools.groupby(per_token))
+        ids = [self.rng.randrange(VOCAB) for _ in range(length)]
+        return Completion(ids, text, [-1.0] * length, "stop", versions=runs or None)
+
+    def _loaded(self, version: int) -> None:
+        for g in self.groups.values():
+            for seq in g:
+                if seq[1] < seq[0]:
+                    seq[3].append((version, int(seq[1])))
+        super()._loaded(version)
+
+
+def record_waits(replica: Replica, waits: list[tuple[float, float]]) -> None:
+    """Each prompt's wait in the stream (its entry id's time -> the replica's read), whichever loop reads it."""
+    read = replica.consumer.read
+
+    def recorded(count: int = 1, block_ms: int = 1000) -> list[Delivery[Any]]:
+        deliveries = read(count=count, block_ms=block_ms)
         now = time.time()
         for d in deliveries:
-            self.waits.append((now, now - int(d.entry_id.split("-")[0]) / 1000))
+            waits.append((now, now - int(d.entry_id.split("-")[0]) / 1000))
         return deliveries
+
+    replica.consumer.read = recorded  # type: ignore[method-assign]  # the consumer's own read, timed
 
 
 class SimReplica:
     def __init__(self, name: str, args: argparse.Namespace, tokenizer: Any, lengths: list[int]):
         self.name, self.args = name, args
-        self.engine = SimEngine(tokenizer, args.tokens_per_s, lengths, seed=zlib.crc32(name.encode()))
+        kind = SimContinuousEngine if args.loop == "continuous" else SimEngine
+        self.engine = kind(tokenizer, args.tokens_per_s, lengths, seed=zlib.crc32(name.encode()))
         self.waits: list[tuple[float, float]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name=name, daemon=True)
@@ -124,6 +200,7 @@ class SimReplica:
             engine="hf",
             model_dir=a.model_dir,
             prompts_per_call=1,
+            max_in_flight=64,
             sync_broadcast=a.broadcast,
             weights_dir=a.weights_dir,
             sync_device="cpu",
@@ -152,7 +229,10 @@ class SimReplica:
         receiver = WeightReceiver(s, client, metrics) if s.sync_broadcast else None
         reward = RewardClient(s.reward_url, timeout_s=s.reward_timeout_s, retries=s.reward_retries)
         replica = Replica.build(s, client, self.engine, reward, metrics, receiver)  # type: ignore[arg-type]
-        loop, member = SimLoop(replica, self.engine, self.waits), replica.membership
+        record_waits(replica, self.waits)
+        engine: Any = self.engine  # the Engine protocols, simulated (no model)
+        loop = ContinuousLoop(replica, engine) if self.args.loop == "continuous" else ChunkedLoop(replica, engine)
+        member = replica.membership
         member.sync_weights()
         member.warm_up()
         member.heartbeat()
@@ -189,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--churn", type=float, default=0.0, help="fraction of replicas replaced every --churn-every-s")
     p.add_argument("--churn-every-s", type=float, default=60.0)
     p.add_argument("--stagger-s", type=float, default=0.05, help="between two replicas' starts")
+    p.add_argument("--loop", choices=("continuous", "chunked"), default="continuous", help="the replicas' loop")
     a = p.parse_args(argv)
     configure_logging("sim-replicas", ServiceSettings())  # DAPO_LOG_LEVEL, as the services
     stop = threading.Event()

@@ -6,7 +6,8 @@ replicas, and what each part costs per group as N grows (docs/results/scale.md).
 Per N, a fresh mesh: an embedded Redis (AOF on, as `dapo-mesh up` runs it), `python -m reward_server`,
 `python -m buffer` (a synthetic dataset in the verl file schema, verified by the real dapo_math rule), the rate
 learner (bench/sim_learner.py: the learner's protocol, its training step replaced by a wait) and the replicas:
-N threads in `--procs` processes running the real replica code with a simulated engine (bench/sim_replicas.py).
+N threads in `--procs` processes running the real replica code — its continuous-batching loop, or `--loop chunked`
+— with a simulated engine (bench/sim_replicas.py).
 The total offered load is held constant (`--groups-per-s`; each replica generates at that ÷ N), so a cost that
 grows with N is a cost of N itself, not of more work. After `--warmup-s`, a window of `--seconds`:
 
@@ -148,7 +149,7 @@ class Mesh:
             count = self.n // procs + (i < self.n % procs)
             replicas = {"redis_url": redis_url, "reward_url": reward, "prefix": f"sim{i}", "count": count}
             replicas |= {"tokens_per_s": tokens_per_s, "lengths": lengths, "out": work / f"replicas-{i}.json"}
-            replicas |= {"model_dir": model, "churn": a.churn, "churn_every_s": a.churn_every_s}
+            replicas |= {"model_dir": model, "churn": a.churn, "churn_every_s": a.churn_every_s, "loop": a.loop}
             self.spawn(f"replicas-{i}", ["bench.sim_replicas", *to_flags(replicas), *sync])
 
     def stop(self) -> None:
@@ -345,6 +346,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weight-numel", type=int, default=1 << 20, help="fp32 elements of the simulated weights")
     p.add_argument("--churn", type=float, default=0.0, help="fraction of replicas replaced every --churn-every-s")
     p.add_argument("--churn-every-s", type=float, default=60.0)
+    p.add_argument(
+        "--loop",
+        choices=("continuous", "chunked"),
+        default="continuous",
+        help="the replicas' loop (vLLM's: continuous)",
+    )
     p.add_argument("--redis-server", type=Path, default=None, help="a redis-server binary (Redis 7, as deployed)")
     p.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
     a = p.parse_args(argv)

@@ -128,10 +128,12 @@ class Mesh:
         starts (the learner checks the targets against the model itself when it loads it)."""
         if self.cfg.lora_rank is None:
             return
-        from rollout.engines.lora import check_servable
+        from rollout.engines.lora import check_servable, resolve_serving, served_dtype
+        from services.dtype import resolve_dtype
 
         try:
             check_servable(model, self.cfg.lora_rank, self.cfg.learner.lora_target_list, self.cfg.rollout.lora_serving)
+            served_dtype(resolve_serving(self.cfg.rollout.lora_serving), resolve_dtype(self.cfg.dtype), self.cfg.dtype)
         except ValueError as e:
             raise PresetError(f"lora_rank {self.cfg.lora_rank}: {e}") from None
         self.say(f"lora: rank {self.cfg.lora_rank} on {', '.join(self.cfg.learner.lora_target_list)}")

@@ -66,9 +66,13 @@ def build(
     if s.lora_max_rank and s.engine != "vllm":
         raise ValueError("--lora-max-rank: adapters are served by the vllm engine (vLLM's LoRA), not the hf engine")
     if s.lora_max_rank:
-        from rollout.engines.lora import check_servable
+        from rollout.engines.lora import check_servable, resolve_serving, served_dtype
 
         check_servable(s.model_dir, s.lora_max_rank, serving=s.lora_serving)
+        served = served_dtype(resolve_serving(s.lora_serving), dtype, s.dtype)
+        if served != dtype:
+            log.info("dtype fp32: merged adapters (a merged bf16 weight would lose the adapter's small updates)")
+        dtype = served
     if s.engine == "vllm" and s.stream:
         engine = load_engine(
             s.model_dir,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,7 +38,8 @@ from services.web import create_app
 
 log = logging.getLogger(__name__)
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
-DOWN = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)  # the replica did not take the call
+# the replica did not take the call, or dropped it before answering (killed, restarted): its sessions are lost
+DOWN = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 class RouterMetrics:
@@ -130,12 +132,15 @@ class Router:
         except DOWN as e:
             self.m.gone.inc()
             return gone(sid, f"replica {replica.replica_id} does not answer ({type(e).__name__})")
+        except httpx.TimeoutException:
+            why = f"replica {replica.replica_id} did not answer within {self.s.call_timeout_s:g} s"
+            return error(504, why, "replica_timeout", retry_after=5)
 
     async def to_any(self, request: Request, body: bytes) -> Response:
         for replica in self.table.any():
             try:
                 return passed(await self.send(request, replica, body))
-            except DOWN:
+            except (*DOWN, httpx.TimeoutException):
                 self.table.set_aside(replica)
         return error(503, "no replica serves the gateway now; retry", "no_replica", retry_after=2)
 
@@ -155,12 +160,22 @@ def passed(upstream: httpx.Response) -> Response:
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
     if upstream.is_stream_consumed:
         return Response(upstream.content, status_code=upstream.status_code, headers=headers)
-    return StreamingResponse(
-        upstream.aiter_raw(),
-        status_code=upstream.status_code,
-        headers=headers,
-        background=BackgroundTask(upstream.aclose),
-    )
+    done = BackgroundTask(upstream.aclose)
+    return StreamingResponse(relay(upstream), status_code=upstream.status_code, headers=headers, background=done)
+
+
+async def relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """The body as it comes; a replica that dies mid-answer ends it — a stream with an error event in OpenAI's
+    shape (the SDK raises it), any other body cut short (the client sees it incomplete), never a crash here."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as e:
+        log.warning("a replica's answer broke off: %s", type(e).__name__)
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            why = f"the replica stopped answering mid-stream ({type(e).__name__}): its session is lost"
+            event = {"error": {"message": why, "type": "server_error", "param": None, "code": "session_replica_gone"}}
+            yield f"data: {json.dumps(event)}\n\n".encode()
 
 
 def gone(sid: str, why: str) -> JSONResponse:

@@ -41,6 +41,7 @@ from services.adapters import (
     module_of,
     read_adapter,
 )
+from services.dtype import Dtype
 from services.weight_wire import model_specs
 
 ADAPTER_ID = 1  # vLLM's lora_int_id of the learner's adapter: one id, replaced in place
@@ -86,6 +87,19 @@ def check_servable(model_dir: Path, rank: int, targets: list[str] | None = None,
             f"{model_dir}: vLLM serves no LoRA adapter on {archs[0]}: serve it merged ([rollout] lora_serving = "
             '"merge") or train full weights'
         )
+
+
+def served_dtype(serving: str, dtype: Dtype, choice: str) -> Dtype:
+    """The engine's dtype for adapters served this way: `merge` runs fp32 (MergedAdapter: a merged bf16 weight
+    loses the adapter's small updates) — an explicit bf16 is refused with why; `vllm` serving keeps `dtype`."""
+    if serving != "merge" or dtype == "fp32":
+        return dtype
+    if choice == "bf16":
+        raise ValueError(
+            "dtype bf16 with merged adapters: a merged bf16 weight loses the adapter's small updates (the replica "
+            'would serve the base); use dtype "fp32" or "auto" (fp32 for merged adapters), or lora_serving "vllm"'
+        )
+    return "fp32"
 
 
 def scratch_dir() -> Path:
@@ -171,15 +185,22 @@ class MergedAdapter(Served):
     (alpha / r) · B · A in fp32, and loads the result in place like full weights (the same reload, lm_head re-tie,
     prefix-cache and version rules). The network still carries the adapter alone; the engine runs at the base
     model's speed. Measured on this machine's CPU kernels (docs/results/lora.md): vLLM's LoRA layers cost 2.6-3.3x in
-    tokens/s at rank 32, a merged reload ~0.3 s per version for a 135M model."""
+    tokens/s at rank 32, a merged reload ~0.3 s per version for a 135M model.
+
+    The merged copy is fp32 whatever the checkpoint's dtype, and so must the engine be (`served_dtype`): bf16 keeps 8
+    bits of a weight, and an adapter's first updates, a few parts in a thousand of a weight, round away in it — the
+    replica would serve about the base while the learner trains the adapter (vLLM's LoRA layers add the adapter
+    beside the weight instead, in any dtype)."""
 
     def __init__(self, model_dir: Path, max_rank: int):
+        import torch
         from safetensors.torch import load_file
 
         super().__init__(model_dir, max_rank)
-        self.weights: dict[str, Any] = {}  # the base model's own tensors, merged into at each version
+        self.weights: dict[str, Any] = {}  # the base model's own tensors in fp32, merged into at each version
         for f in sorted(Path(model_dir).glob("*.safetensors")):
-            self.weights.update(load_file(str(f)))
+            for name, t in load_file(str(f)).items():
+                self.weights[name] = t.to(torch.float32) if t.is_floating_point() else t
 
     def merged(self, info: AdapterInfo, named: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Every base weight, the adapted ones merged: checked first (nothing is yielded for a refused adapter)."""
@@ -194,7 +215,7 @@ class MergedAdapter(Served):
             b = a[: -len("lora_A.weight")] + "lora_B.weight"
             w = self.weights[module + ".weight"]
             delta = tensors[b].to(torch.float32) @ tensors[a].to(torch.float32)
-            merged[module + ".weight"] = (w.to(torch.float32) + scale * delta).to(w.dtype)
+            merged[module + ".weight"] = w + scale * delta  # fp32: the delta is kept (class docstring)
         return iter([(name, merged.get(name, w)) for name, w in self.weights.items()])
 
     def merged_folder(self, folder: Path) -> Iterator[tuple[str, Any]]:

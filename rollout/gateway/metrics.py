@@ -11,7 +11,7 @@ class GatewayMetrics:
         self.open = Gauge("dapo_gateway_sessions_open", "Gateway sessions open now.", registry=r)
         self.sessions = Counter(
             "dapo_gateway_sessions",
-            "Gateway sessions by what became of them: opened, ended, abandoned.",
+            "Gateway sessions by what became of them: opened, ended, abandoned, failed.",
             ["outcome"],
             registry=r,
         )

@@ -75,6 +75,33 @@ def test_a_third_party_server_from_the_docs_passes_and_a_broken_one_does_not() -
     assert any("not done after max_turns" in f for f in report.failed), report.failed
 
 
+def test_the_example_environment_server_passes_the_checker_behind_its_token() -> None:
+    """examples/env_server.py — the server the docs' "your own server" runs and configs/agents-external.toml trains
+    against — passes every check, its token required; its held-out split never serves a training question."""
+    import threading
+
+    from examples.env_server import POOLS, make_server
+
+    server = make_server("127.0.0.1", 0, token="its-token")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        report = Checker(url, "its-token").run()
+        assert report.ok, report.failed
+        assert "a request without the token is 401" in report.passed
+        auth = {"Authorization": "Bearer its-token"}
+        asked = {
+            split: {httpx.post(f"{url}/v1/episodes", json={"env": "arith", "seed": seed, "split": split}, headers=auth,
+                               timeout=10).json()["task_id"] for seed in range(200)}  # fmt: skip
+            for split in ("train", "eval")
+        }
+        assert asked["train"] and asked["eval"] and not asked["train"] & asked["eval"]
+        assert len(POOLS["eval"]) * 2 < len(POOLS["train"]) < len(POOLS["eval"]) * 3  # a third held out
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_calculator_a_tool_call_then_the_answer(http: httpx.Client) -> None:
     opening = reset(http, "calculator", task={"expression": "417 * 38 + 123"})
     assert opening.messages[-1].content == "What is 417 * 38 + 123?"

@@ -39,14 +39,18 @@ def fuzz(
     budget: dict[tuple[str, str], int],
     modes: tuple[GenerationMode, ...] = MODES,
     prepare: Callable[[Any], None] | None = None,
+    to: str | None = None,
+    default: int = 200,
 ) -> Counter[str]:
     """Run `budget[(method, path)]` generated cases per operation (half valid, half invalid; `modes` says which
-    halves this call runs); `prepare` may change a case before it is sent."""
+    halves this call runs) of `base`'s schema, sent to `to` (default: `base`); `prepare` may change a case before it
+    is sent."""
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=HEADERS)  # served with --api-docs
+    to = to or base
     stats: Counter[str] = Counter()
     for result in schema.get_all_operations():
         op = result.ok()
-        n = budget.get((op.method.upper(), op.path), 200)
+        n = budget.get((op.method.upper(), op.path), default)
         for mode in modes:
 
             @settings(max_examples=n // 2, deadline=None, suppress_health_check=list(HealthCheck),
@@ -55,7 +59,7 @@ def fuzz(
             def call(case) -> None:  # type: ignore[no-untyped-def]
                 if prepare is not None:
                     prepare(case)
-                r = case.call(base_url=base, headers=HEADERS, timeout=15)  # a hang fails the test
+                r = case.call(base_url=to, headers=HEADERS, timeout=15)  # a hang fails the test
                 stats["cases"] += 1
                 stats[f"{r.status_code // 100}xx"] += 1
                 assert r.status_code < 500, f"{case.method} {case.path} -> {r.status_code}: {r.text[:300]}"
@@ -64,7 +68,7 @@ def fuzz(
                 call()
             except Unsatisfiable:  # nothing to make invalid (an operation without parameters)
                 assert mode == GenerationMode.NEGATIVE
-    assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200  # still alive
+    assert httpx.get(f"{to}/healthz", timeout=5).status_code == 200  # still alive
     return stats
 
 
@@ -148,7 +152,8 @@ def served_model(case: Any) -> None:
 def test_gateway_survives_2000_generated_requests(tmp_path: Path, model_dir: Path, reward_url: str) -> None:
     """The OpenAI-compatible gateway on a vLLM replica (tiny model): generated chat completions, completions and
     session calls, valid and not, sent with the mesh token (calls not captured) or without a task to hand out.
-    Whatever they send: no 5xx, the replica still serves after."""
+    Whatever they send: no 5xx, the replica still serves after. Then the same schema's cases through the router in
+    front of it (the one endpoint): no 5xx either, and both still serve."""
     from services.redis_server import free_port
 
     with EmbeddedRedis(tmp_path / "redis") as server:
@@ -163,12 +168,21 @@ def test_gateway_survives_2000_generated_requests(tmp_path: Path, model_dir: Pat
             base = f"http://127.0.0.1:{gport}"
             stats = fuzz(base, GATEWAY_BUDGET, prepare=served_model)
             assert proc.poll() is None
+            router_env = {"DAPO_AUTH_TOKEN": TOKEN, "DAPO_REDIS_URL": server.url}
+            with running("router", "--api-docs", env=router_env, ready_path="/readyz", token=TOKEN,
+                         log=tmp_path / "router.log") as (router, router_proc):  # fmt: skip
+                routed = fuzz(base, {}, prepare=served_model, to=router, default=100)
+                assert router_proc.poll() is None
+                ops = fuzz(router, {}, default=40)  # the router's own routes: health, readiness, metrics, config
+            assert proc.poll() is None
             r = httpx.post(f"{base}/v1/chat/completions", headers=HEADERS, timeout=30,
                            json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
             assert r.status_code == 200, r.text  # still generating
-    print(f"gateway fuzz: {dict(stats)}")
+    print(f"gateway fuzz: {dict(stats)}; through the router: {dict(routed)}; the router's own: {dict(ops)}")
     assert stats["cases"] >= 2_000 and stats["5xx"] == 0
     assert stats["2xx"] > 200 and stats["4xx"] > 500
+    assert routed["cases"] >= 500 and routed["5xx"] == 0 and routed["2xx"] > 50 and routed["4xx"] > 100
+    assert ops["cases"] >= 20 and ops["5xx"] == 0
 
 
 if __name__ == "__main__":  # the reward server test's second process: the invalid half, stats as JSON

@@ -18,16 +18,21 @@ pytestmark = pytest.mark.slow
 def settings(**kw: object) -> argparse.Namespace:
     base = dict(seconds=12.0, warmup_s=12.0, groups_per_s=16.0, batch_size=8, max_staleness=4, step_s=0.5,
                 prompts=500, length_scale=1.0, procs=2, broadcast=True, weight_numel=1 << 16, churn=0.0,
-                churn_every_s=60.0, redis_server=None, sync_max_members=0)  # fmt: skip
+                churn_every_s=60.0, redis_server=None, sync_max_members=0, loop="continuous")  # fmt: skip
     return argparse.Namespace(**(base | kw))
 
 
 @pytest.mark.parametrize(
-    ("broadcast", "cap"), [(True, 0), (True, 2), (False, 0)], ids=["broadcast", "broadcast-capped", "snapshots"]
+    ("broadcast", "cap", "loop"),
+    [(True, 0, "continuous"), (True, 2, "continuous"), (False, 0, "continuous"), (True, 0, "chunked")],
+    ids=["broadcast", "broadcast-capped", "snapshots", "broadcast-chunked"],
 )
-def test_four_simulated_replicas_train_and_every_prompt_is_accounted(tmp_path, broadcast: bool, cap: int) -> None:
-    """capped: the learner's group holds 2 of the 4 (--sync-max-members); the other 2 must take the snapshots."""
-    row = run_n(4, settings(broadcast=broadcast, sync_max_members=cap), tmp_path)
+def test_four_simulated_replicas_train_and_every_prompt_is_accounted(
+    tmp_path, broadcast: bool, cap: int, loop: str
+) -> None:
+    """capped: the learner's group holds 2 of the 4 (--sync-max-members); the other 2 must take the snapshots. The
+    replicas run the continuous-batching loop (vLLM's, the default) or the chunked one."""
+    row = run_n(4, settings(broadcast=broadcast, sync_max_members=cap, loop=loop), tmp_path)
     assert row["all_alive"] and not row["replica_errors"], row
     assert row["groups"] > 50 and row["versions"] >= 3, row  # groups flowed, batches were trained
     assert row["audit_balanced"] and row["audit_vanished"] == 0 and row["trained_twice"] == 0, row["audit_places"]
