@@ -91,8 +91,12 @@ def test_the_example_environment_server_passes_the_checker_behind_its_token() ->
         assert "a request without the token is 401" in report.passed
         auth = {"Authorization": "Bearer its-token"}
         asked = {
-            split: {httpx.post(f"{url}/v1/episodes", json={"env": "arith", "seed": seed, "split": split}, headers=auth,
-                               timeout=10).json()["task_id"] for seed in range(200)}  # fmt: skip
+            split: {
+                httpx.post(
+                    f"{url}/v1/episodes", json={"env": "arith", "seed": seed, "split": split}, headers=auth, timeout=10
+                ).json()["task_id"]
+                for seed in range(200)
+            }  # fmt: skip
             for split in ("train", "eval")
         }
         assert asked["train"] and asked["eval"] and not asked["train"] & asked["eval"]
