@@ -572,7 +572,7 @@ def up(
     try:
         cfg = mesh_config(run_dir, config, tiny, {k: v for k, v in given.items() if v is not None}, set_ or [])
     except PresetError as e:  # plain text, not a box: the message names the section and field, keep it whole
-        Console(stderr=True).print(f"invalid mesh config: {e}", markup=False, highlight=False)
+        Console(stderr=True).print(f"invalid mesh config: {e}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     mesh = Mesh(cfg, say=console.print, console=console if console.is_terminal else None)
     code = 1
@@ -585,7 +585,7 @@ def up(
             f"{mesh.paths.metrics}, weights in {mesh.paths.snapshots}"
         )
     except PresetError as e:  # the data, read before anything starts (Mesh.check_data)
-        Console(stderr=True).print(f"invalid mesh config: {e}", markup=False, highlight=False)
+        Console(stderr=True).print(f"invalid mesh config: {e}", markup=False, highlight=False, soft_wrap=True)
         code = 2
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a clean stop is a success (the services stop below)
         console.print("stopping (Ctrl-C)")

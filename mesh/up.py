@@ -111,11 +111,11 @@ class Mesh:
             raise PresetError(f"dataset {self.cfg.dataset!r}: {e}") from None
         self.say(f"dataset: {source.name}, {len(source.train)} training prompts, {len(source.eval)} held out")
         if any(it.verifier == CLIENT_SCORED for it in source.train):
-            r = self.cfg.rollout
-            if r.gateway_port is None or not r.gateway_only:
+            if self.cfg.gateway_port is None or not self.cfg.rollout.gateway_only:
                 raise PresetError(
                     f'dataset {self.cfg.dataset!r}: its rows say verifier "{CLIENT_SCORED}" (the client of a gateway '
-                    "session scores them): serve them through the gateway only ([rollout] gateway_port, gateway_only)"
+                    "session scores them): serve them through the gateway only ([mesh] gateway_port, [rollout] "
+                    "gateway_only = true)"
                 )
             if self.cfg.eval_every:
                 raise PresetError(

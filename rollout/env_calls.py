@@ -99,14 +99,16 @@ class EnvCalls:
         return self._submit("step", self.client.step, base, episode_id, turn, content)
 
     def close(self, base: str, episode_id: str) -> None:
-        """Tell the service to forget an episode (best effort); one not sent by the time the replica leaves is sent
-        then (shutdown)."""
+        """Tell the service to forget an episode (best effort), never blocking the caller (it may hold the gateway's
+        lock or be on an event loop); one not sent by the time the replica leaves is sent then (shutdown)."""
         with self._lock:
             self.closes = {f: k for f, k in self.closes.items() if not f.done()}
             try:
                 self.closes[self.pool.submit(self.client.close, base, episode_id)] = (base, episode_id)
-            except RuntimeError:  # the pool is shut down: the replica is leaving, close it now
-                self.client.close(base, episode_id)
+                return
+            except RuntimeError:  # the pool is shut down (the replica is leaving): a thread of its own
+                pass
+        threading.Thread(target=self.client.close, args=(base, episode_id), name="env-close", daemon=True).start()
 
     def _submit(self, kind: str, fn: Callable[..., T], *args: Any) -> Future[T]:
         return self.pool.submit(self._timed, kind, fn, *args)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from rollout.engines.base import LoraServing, UpdateMode
 from services.dtype import DtypeChoice
@@ -145,6 +145,7 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     )
     gateway_url: str | None = Field(
         None,
+        pattern=r"^https?://[^\s/]+",
         description="The gateway's address as the router reaches it, e.g. http://10.0.3.7:8010 (Kubernetes: the pod's "
         "IP); unset: http://<host>:<gateway-port>, or this machine's address when host binds every interface.",
     )
@@ -173,3 +174,12 @@ class RolloutSettings(ServiceSettings, RedisSettings):
         4096, ge=1, description="Tokens of a session's sequence (prompt and completions) at most, per segment."
     )
     vllm_eager: bool = Field(True, description="vLLM: no graph compilation (start in ~16 s instead of ~80 s).")
+
+    @model_validator(mode="after")
+    def _opening_needs_the_mesh_token(self) -> Self:
+        if self.session_token is not None and self.auth_token is None:
+            raise ValueError(
+                "session_token (DAPO_SESSION_TOKEN) without an auth token sets nothing apart: with no mesh token "
+                "every key that is not a session's is the mesh's; set DAPO_AUTH_TOKEN too"
+            )
+        return self

@@ -11,7 +11,9 @@ The router holds no session state and no credential: a session id names its repl
 so any router routes any session and a restarted one loses nothing; each replica checks the credentials itself.
 Answers pass through as they come (a stream as it streams; 429 and its Retry-After as they are). A session whose
 replica is gone (its heartbeat expired, or it does not answer) is a 410 that says so: the session is lost with its
-replica, the client opens a new one (its task goes back to the stream: another replica reclaims it).
+replica, the client opens a new one (its task goes back to the stream: another replica reclaims it). A replica that
+dropped a call but answers is a 502 (retried by the SDK); a call of no session is sent to another replica only if
+the first did not take it.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from services.web import create_app
 
 log = logging.getLogger(__name__)
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
-# the replica did not take the call, or dropped it before answering (killed, restarted): its sessions are lost
-DOWN = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+UNREACHED = (httpx.ConnectError, httpx.ConnectTimeout)  # the replica did not take the call: it is gone (or not up)
+KEEPALIVE_S = 2.0
 
 
 class RouterMetrics:
@@ -80,7 +82,10 @@ class Router:
 
     async def start(self) -> None:
         timeout = httpx.Timeout(self.s.call_timeout_s, connect=self.s.connect_timeout_s)
-        limits = httpx.Limits(max_connections=self.s.max_connections, max_keepalive_connections=self.s.max_connections)
+        n = self.s.max_connections
+        # an idle connection is dropped before the replicas' uvicorn drops it (5 s): a call never goes out on a
+        # connection the replica is closing at that moment (that would read as a replica gone)
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=KEEPALIVE_S)
         self.http = httpx.AsyncClient(timeout=timeout, limits=limits)
         await self.table.refresh()
 
@@ -101,19 +106,28 @@ class Router:
         req = self.http.build_request(request.method, url, params=request.query_params, content=body, headers=headers)
         return await self.http.send(req, stream=True)
 
+    async def alive(self, replica: Replica) -> bool:
+        """Whether the replica's gateway answers at all (after it dropped a call: restarted, or killed)."""
+        assert self.http is not None
+        try:
+            return (await self.http.get(replica.url + "/healthz", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     async def open_session(self, request: Request, body: bytes) -> Response:
-        """A new session: the best placement first; a replica full or unreachable passes it on to the next."""
+        """A new session: the best placement first; a replica full, unreachable or failing passes it to the next
+        (a session it opened without the answer reaching us expires there, its seat back to its task)."""
         last: httpx.Response | None = None
         for replica in self.table.placements():
             try:
                 upstream = await self.send(request, replica, body)
-            except DOWN as e:
+                if upstream.status_code == 429 and await full(upstream):
+                    last = upstream
+                    self.m.retried.inc()
+                    continue
+            except httpx.HTTPError as e:
                 log.warning("replica %s did not take a session (%s): the next one", replica.replica_id, e)
                 self.table.set_aside(replica)
-                self.m.retried.inc()
-                continue
-            if upstream.status_code == 429 and await full(upstream):
-                last = upstream
                 self.m.retried.inc()
                 continue
             return passed(upstream)
@@ -123,25 +137,41 @@ class Router:
         return error(503, why, "no_replica", retry_after=2)
 
     async def to_session(self, request: Request, sid: str, body: bytes) -> Response:
+        """A call of a session: to its replica; a 410 once that replica is gone, a 502 (the SDK retries) when it
+        only dropped the call."""
         replica = self.table.of_session(sid)
         if replica is None:
             self.m.gone.inc()
             return gone(sid, "its heartbeat is gone: the replica left the mesh")
         try:
             return passed(await self.send(request, replica, body))
-        except DOWN as e:
+        except UNREACHED as e:
             self.m.gone.inc()
             return gone(sid, f"replica {replica.replica_id} does not answer ({type(e).__name__})")
         except httpx.TimeoutException:
             why = f"replica {replica.replica_id} did not answer within {self.s.call_timeout_s:g} s"
             return error(504, why, "replica_timeout", retry_after=5)
+        except httpx.HTTPError as e:
+            if not await self.alive(replica):
+                self.m.gone.inc()
+                return gone(sid, f"replica {replica.replica_id} dropped the call and does not answer")
+            why = f"replica {replica.replica_id} dropped the call ({type(e).__name__}); retry"
+            return error(502, why, "replica_dropped", retry_after=1)
 
     async def to_any(self, request: Request, body: bytes) -> Response:
+        """A call of no session: the least loaded replica; only one that did not take it passes it to the next (an
+        uncaptured call is not sent twice)."""
         for replica in self.table.any():
             try:
                 return passed(await self.send(request, replica, body))
-            except (*DOWN, httpx.TimeoutException):
+            except UNREACHED:
                 self.table.set_aside(replica)
+            except httpx.TimeoutException:
+                why = f"replica {replica.replica_id} did not answer within {self.s.call_timeout_s:g} s"
+                return error(504, why, "replica_timeout", retry_after=5)
+            except httpx.HTTPError as e:
+                why = f"replica {replica.replica_id} dropped the call ({type(e).__name__}); retry"
+                return error(502, why, "replica_dropped", retry_after=1)
         return error(503, "no replica serves the gateway now; retry", "no_replica", retry_after=2)
 
 

@@ -7,9 +7,10 @@ leaves (its heartbeat deleted, or expired after a kill) is gone within its TTL.
     table.of_session(sid)                         # the replica whose tag begins the session id (None: gone)
     table.placements()                            # where to open a new session, best first
 
-Placement: a replica leaving (state draining) takes no new session; among the others, those holding free seats of
-tasks they have read come first (the new session joins a group begun there instead of taking a new task), then
-those with the most room for sessions. A replica that failed to answer is set aside for a few seconds.
+Placement: a replica leaving (state draining) takes no new session; among the others, those with room for a session
+first, and of them those holding free seats of tasks they have read (the new session joins a group begun there
+instead of taking a new task), then those with the most room. A replica that failed to answer is set aside for a
+few seconds.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class Replicas:
         """Where to open a new session, best first (module docstring)."""
         now = time.monotonic()
         live = [r for r in self.by_tag.values() if not r.draining and self.aside.get(r.replica_id, 0.0) <= now]
-        return sorted(live, key=lambda r: (r.seats == 0, -r.seats, -r.free, r.replica_id))
+        return sorted(live, key=lambda r: (r.free == 0, r.seats == 0, -r.seats, -r.free, r.replica_id))
 
     def any(self) -> list[Replica]:
         """Where a call of no session may go (the model list, an uncaptured call): the least loaded first."""

@@ -13,7 +13,10 @@ class RouterSettings(ServiceSettings, RedisSettings):
         1.0, gt=0, le=60, description="How often the replicas' heartbeats are read again (joins, leaves, load)."
     )
     call_timeout_s: float = Field(
-        900.0, gt=0, description="One proxied call at most (a replica's gateway answers its own calls in 900 s)."
+        960.0,
+        gt=0,
+        description="One proxied call at most: above a replica's own limit (900 s), so the replica's answer to a call "
+        "past it (a 503) reaches the client.",
     )
     connect_timeout_s: float = Field(5.0, gt=0, le=60, description="Connecting to a replica's gateway at most.")
     max_connections: int = Field(512, ge=1, description="Connections to the replicas kept open at most.")

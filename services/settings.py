@@ -42,6 +42,17 @@ def redact_url(url: str) -> str:
     return _URL_PASSWORD.sub(r"\1:***@", url)
 
 
+def _redact(value: Any) -> Any:
+    """URL passwords replaced by stars in strings, at any depth of dicts and lists (SecretStr dumps as stars)."""
+    if isinstance(value, str):
+        return redact_url(value) if "://" in value else value
+    if isinstance(value, dict):
+        return {k: _redact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v) for v in value]
+    return value
+
+
 class SecretFiles(PydanticBaseSettingsSource):
     """Each secret setting from the file its `DAPO_<NAME>_FILE` variable names (the whole file, trailing newline
     removed; a mapping of secrets as a JSON object). The variable itself (`DAPO_<NAME>`) wins when both are set."""
@@ -97,9 +108,9 @@ class DapoSettings(BaseSettings):
         return data
 
     def redacted(self) -> dict[str, Any]:
-        """The settings as JSON-able values, secrets and URL passwords replaced by stars."""
-        out = self.model_dump(mode="json")  # SecretStr dumps as '**********'
-        return {k: redact_url(v) if isinstance(v, str) and "://" in v else v for k, v in out.items()}
+        """The settings as JSON-able values, secrets and URL passwords (at any depth) replaced by stars."""
+        out: dict[str, Any] = _redact(self.model_dump(mode="json"))
+        return out
 
     def secret_values(self) -> list[str]:
         """The plain values of every secret (a mapping's too), for the log filter that masks them."""

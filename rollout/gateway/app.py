@@ -183,13 +183,22 @@ async def open_env(gw: Gateway, seat: Seat) -> None:
             gw.env_failed(session, EnvFailure("failed", "this replica has no environment service"), "at its opening")
         raise ApiError(503, "this replica has no environment service (--env-url)", "server_error", retry_after=5)
     name, body = seat.env
-    fut = gw.env.reset(name, body, seat.episode_id)
+    env = gw.env
+    try:
+        fut = env.reset(name, body, seat.episode_id)
+    except RuntimeError:  # the environment calls are shut down: the replica is leaving
+        with gw.lock:
+            gw.abandon(session, "its replica is leaving")
+        raise leaving(Leaving("this replica is leaving the mesh; open a new session")) from None
     try:
         opening: Opening = await asyncio.shield(asyncio.wrap_future(fut))
-    except asyncio.CancelledError:  # the client went away: the reset's episode is closed when it answers
-        with gw.lock:
+    except asyncio.CancelledError:
+        if fut.cancelled():  # cancelled by the replica leaving (its pool shut down), not by the client
+            with gw.lock:
+                gw.abandon(session, "its replica is leaving")
+            raise leaving(Leaving("this replica is leaving the mesh; open a new session")) from None
+        with gw.lock:  # the client went away: the reset's episode is closed when it answers
             gw.abandon(session, "its client went away while its environment opened")
-        env = gw.env
         fut.add_done_callback(lambda f: env.close(o.base, seat.episode_id) if (o := result(f)) else None)
         raise
     except Exception as e:  # no answer, a refusal, an answer out of protocol
@@ -201,7 +210,7 @@ async def open_env(gw: Gateway, seat: Seat) -> None:
     with gw.lock:
         ok = gw.opened(seat, opening.base, opening.response.tools)
     if not ok:  # over meanwhile (the replica left)
-        gw.env.close(opening.base, seat.episode_id)
+        env.close(opening.base, seat.episode_id)
         raise ApiError(503, f"session {session.sid} is over: {session.why}", "server_error", retry_after=1)
     seat.messages = [m.model_dump(exclude_none=True) for m in opening.response.messages]
     seat.tools = [t.model_dump() for t in opening.response.tools]
@@ -232,7 +241,7 @@ def owned(gw: Gateway, sid: str, caller: Caller) -> Session:
     if caller.role == "opener":
         raise ApiError(401, "the session-opening token cannot read or end sessions: use the session's key")
     with gw.lock:
-        session = gw.sessions.get(sid)
+        session = gw.sessions.get(sid) or gw.retired.get(sid)  # a session over is still read (how it ended)
     if session is None or (caller.session is not None and caller.session is not session):
         raise ApiError(404, f"no session {sid!r} (or not this key's)", code="session_not_found")
     return session
@@ -305,7 +314,7 @@ async def scored(request: Request, gw: Gateway, sess: Session, choice: int) -> S
             sess.scoring_failed(time.monotonic())
         raise
     with gw.lock:
-        calls.refusals(lambda: gw.end(sess, choice, score))
+        calls.refusals(lambda: gw.end(sess, choice, score, scored=True))
     return score
 
 

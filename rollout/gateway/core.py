@@ -332,12 +332,12 @@ class Gateway:
         if p.session is not None:
             p.session.call_failed(p.key, time.monotonic())
 
-    def end(self, session: Session, choice: int, score: Score) -> None:
-        """An ended session: its score kept for its group."""
+    def end(self, session: Session, choice: int, score: Score, *, scored: bool = False) -> None:
+        """An ended session: its score (the client's, or its scorer's: `scored`) kept for its group."""
         g = self.groups.get(session.task_id)
         if g is None:
             raise CallRefused(f"session {session.sid} is over: {session.state} ({session.why})", over=True)
-        session.end(choice, score.reward)
+        session.end(choice, score.reward, scored=scored)
         g.scores[session.sid] = score
         self._over(session)
 
@@ -440,9 +440,12 @@ class Gateway:
             return
         self._next_expiry = now + EXPIRY_EVERY_S
         idle_s = self.s.gateway_idle_s
+        opening_s = self.s.env_timeout_s * (self.s.env_retries + 1) + idle_s  # past any reset's retries
         for s in list(self.sessions.values()):
             if s.state == "idle" and now - s.last_seen > idle_s:
                 self.abandon(s, f"idle for {now - s.last_seen:.0f} s (--gateway-idle-s {idle_s:g})")
+            elif s.state == "opening" and now - s.last_seen > opening_s:  # a backstop: its opening never came back
+                self.abandon(s, f"its environment did not open within {opening_s:.0f} s")
         for key, g in list(self.groups.items()):
             if not g.seats or g.closed or now - g.seated_at <= idle_s:
                 continue

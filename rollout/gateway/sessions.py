@@ -407,10 +407,11 @@ class Session:
         if self.state == "scoring":
             self.state, self.last_seen = "idle", now
 
-    def end(self, choice: int, reward: float) -> Episode:
-        """idle or scoring -> ended: the episode trained on, the last segment with its last answer (`choice` of the
-        last call) in the loss."""
-        self._refuse_unless("idle", "scoring")
+    def end(self, choice: int, reward: float, *, scored: bool = False) -> Episode:
+        """idle -> ended with the client's reward, or scoring -> ended with the scorer's (`scored`): the episode
+        trained on, the last segment with its last answer (`choice` of the last call) in the loss. A reward given
+        while the scorer scores is refused (409), and the scorer's verdict while idle."""
+        self._refuse_unless("scoring" if scored else "idle")
         answer = self.last_answer(choice)
         seg = self.segments[-1]
         ep = copy.deepcopy(seg.episode)  # the segment stays as it was: the final answer joins the copy

@@ -166,6 +166,25 @@ def test_up_checks_your_environment_servers_before_starting_anything(tmp_path: P
     assert r.returncode == 2 and "name your own environment servers in [mesh] env_servers" in r.stderr, r.stderr
 
 
+def test_up_serves_a_client_scored_dataset_through_the_gateway_only(tmp_path: Path) -> None:
+    """Rows that say `"verifier": "client"` are scored by the client of a gateway session: `dapo-mesh up` refuses to
+    start them without the gateway (the replicas would dead-letter them), or with a held-out evaluation (nothing in
+    the mesh scores them), before anything starts."""
+    import json
+
+    data = tmp_path / "own.jsonl"
+    rows = [{"prompt": f"Say {i}.", "reward_model": {"ground_truth": ""}, "verifier": "client"} for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    root = Path(__file__).resolve().parents[2]
+    base = ["up", "--tiny", "--run-dir", str(tmp_path / "run"), "--set", f'mesh.dataset="file:{data}"']
+    r = run(base, cwd=root, PYTHONPATH=str(root))
+    assert r.returncode == 2 and "serve them through the gateway only ([mesh] gateway_port" in r.stderr, r.stderr
+    gateway = ["--engine", "vllm", "--set", "mesh.gateway_port=18999", "--set", "rollout.gateway_only=true"]
+    r = run([*base, *gateway, "--eval-every", "3"], cwd=root, PYTHONPATH=str(root))
+    assert r.returncode == 2 and "no scorer in the mesh for a held-out evaluation" in r.stderr, r.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # nothing started
+
+
 @pytest.mark.slow
 def test_prepare_model_from_a_local_hf_folder(tmp_path: Path) -> None:
     import torch

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -317,3 +318,28 @@ def test_metrics_count_episodes_turns_and_tool_calls(http: httpx.Client) -> None
                  'dapo_env_step_latency_seconds_count{env="calculator",kind="step"}',
                  'dapo_env_requests_total{route="/v1/episodes/{episode_id}/step",status="200"}'):  # fmt: skip
         assert line in m, line
+
+
+def test_a_replica_whose_token_a_peer_refuses_stops_at_start_up(tmp_path: Path) -> None:
+    """A configuration error fails at start-up, before anything runs: a replica whose environment-service token is
+    not the service's stops in seconds with what to set — before it loads an engine or takes a prompt (it took
+    prompts and dead-lettered them, each a 401) — and one given the service's token by DAPO_AUTH_TOKEN alone does
+    not stop there (nor for a peer that does not answer yet)."""
+    from learner.tiny import tiny_llama
+
+    model = tiny_llama(tmp_path / "m")
+    with running("env_server", env={"DAPO_AUTH_TOKEN": "the-services"}, ready_path="/readyz", token="the-services") as (
+        env_url,
+        _,
+    ):
+        args = [sys.executable, "-m", "rollout", "--engine", "hf", "--model-dir", str(model), "--env-url", env_url,
+                "--reward-url", "http://127.0.0.1:9", "--redis-url", "redis://127.0.0.1:9/0"]  # fmt: skip
+        bad = subprocess.run(args, cwd=ROOT, env=child_env(DAPO_ENV_TOKEN="not-the-services"), capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert bad.returncode != 0
+        assert f"the environment service at {env_url}/v1/envs refused this replica's credentials (401" in bad.stderr
+        assert "set DAPO_ENV_TOKEN" in bad.stderr and "not-the-services" not in bad.stderr
+        good = subprocess.run(args, cwd=ROOT, env=child_env(DAPO_AUTH_TOKEN="the-services"), capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert "refused this replica's credentials" not in good.stderr  # it went on past the checks
+        assert "the reward server at http://127.0.0.1:9/v1/score does not answer yet" in good.stderr  # not an error

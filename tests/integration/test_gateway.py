@@ -478,8 +478,8 @@ def test_an_idle_session_closes_its_environment_episode(mesh: Mesh) -> None:
     s = open_session(mesh)
     assert s["task"]["task_id"] == "gw13"
     until(lambda: env_closed(mesh) == closed + 1, "the abandoned session's episode to be closed", IDLE_S + 15)
-    state = httpx.get(f"{mesh.base}/v1/sessions/{s['session_id']}", headers=MESH, timeout=10)
-    assert state.status_code in (200, 404)  # kept until its group is out
+    state = httpx.get(f"{mesh.base}/v1/sessions/{s['session_id']}", headers=MESH, timeout=10).json()
+    assert state["state"] == "abandoned" and state["why"].startswith("idle for"), state
 
 
 def test_rewards_come_from_the_tasks_scorer(mesh: Mesh) -> None:
@@ -600,3 +600,20 @@ def decode_heartbeat(m: Mesh, replica_id: str):  # type: ignore[no-untyped-def]
     from services.streams import REPLICA_KEY_PREFIX, unpack
 
     return unpack(m.client.get(REPLICA_KEY_PREFIX + replica_id), ReplicaHeartbeat)
+
+
+def test_zz_a_replica_that_leaves_ends_its_sessions_and_closes_their_episodes(mesh: Mesh) -> None:
+    """Last in this module (it stops the module's replica): SIGTERM with sessions open — a calling client's call is
+    answered (a 503 that says the replica is leaving, or its answer if it was done), and every environment episode
+    of its sessions is closed on the environment service before it exits, not left to the service's idle TTL."""
+    import signal
+
+    StreamProducer(mesh.client, STREAM_PROMPTS).publish(env_task_of(70, "calculator", 11, g=2))
+    sessions = [open_session(mesh), open_session(mesh)]
+    assert {s["task"]["task_id"] for s in sessions} == {"gw70"}
+    held = env_open(mesh)
+    assert held >= 2
+    mesh.proc.send_signal(signal.SIGTERM)
+    mesh.proc.wait(120)
+    assert env_open(mesh) == held - 2  # both sessions' episodes closed as it left
+    assert httpx.get(f"{mesh.env}/healthz", timeout=5).status_code == 200

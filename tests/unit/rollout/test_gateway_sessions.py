@@ -384,6 +384,22 @@ def test_an_environment_that_fails_sessions_gives_up_their_task() -> None:
     assert consumer.dead == [("t1-0", "env_failed")] and "t1" not in gw.groups
 
 
+def test_a_reward_is_not_taken_while_the_scorer_scores() -> None:
+    """The scorer's verdict ends a session being scored; the client's reward only an idle one (409 meanwhile)."""
+    s = session()
+    answer(s, chat([{"role": "user", "content": "2+2"}]), ["4"])
+    s.begin_scoring(0)
+    with pytest.raises(CallRefused, match="being scored") as e:
+        s.end(0, 1.0)  # a reward while the scorer scores
+    assert e.value.conflict
+    s.end(0, -1.0, scored=True)
+    assert s.state == "ended" and s.reward == -1.0
+    idle = session()
+    answer(idle, chat([{"role": "user", "content": "2+2"}]), ["4"])
+    with pytest.raises(CallRefused):
+        idle.end(0, 1.0, scored=True)  # a verdict for a session nobody asked to score
+
+
 def test_the_client_gives_a_reward_only_where_the_trust_model_lets_it() -> None:
     gw = gateway()
     math = gw._take(dispatched(gw, "dapo_math", task_id="m")).session
@@ -433,28 +449,40 @@ def test_an_environments_own_tools_are_not_taught_twice() -> None:
 
 
 def test_the_size_is_checked_before_anything_is_tokenised() -> None:
-    class NoTokenising:  # the tokenizer, but tokenising fails the test
+    from rollout.gateway import calls
+    from rollout.gateway.auth import ApiError
+
+    tokenised: list[int] = []
+
+    class Counted:  # the tokenizer, counting what it is asked to tokenise
         def __init__(self, tok: Any):
             self.tok = tok
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self.tok, name)
 
-        def __call__(self, *a: Any, **kw: Any) -> Any:
-            raise AssertionError("tokenised a conversation that cannot fit")
+        def __len__(self) -> int:
+            return len(self.tok)
 
-    render = ChatRenderer(NoTokenising(TOK))
-    assert render.max_token_chars >= 1
-    long = [{"role": "user", "content": "x" * (render.max_token_chars * 100 + 1)}]
-    with pytest.raises(CallRefused, match="cannot fit the 100 tokens") as e:
-        render.check_size(chat(long).messages, None, 100)
-    assert e.value.code == "context_length_exceeded"
-    render.check_size(chat([{"role": "user", "content": "x" * 100}]).messages, None, 100)  # might fit: no refusal
+        def __call__(self, text: str, *a: Any, **kw: Any) -> Any:
+            tokenised.append(len(text))
+            return self.tok(text, *a, **kw)
+
+    s = RolloutSettings(model_dir="/nonexistent", replica_id="r", gateway_max_context=200)  # type: ignore[arg-type]
+    gw = Gateway(s, Counted(TOK), GatewayMetrics(CollectorRegistry()))
+    assert gw.render.max_token_chars >= 1
+    long = chat([{"role": "user", "content": "x" * (gw.render.max_token_chars * 200 + 1)}])
+    for session in (None, gw._take(dispatched(gw)).session):  # uncaptured, and a session's call
+        with pytest.raises(ApiError, match="cannot fit the 184 tokens") as e:
+            calls.render(gw, session, long, 16)
+        assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+    assert tokenised == []  # refused before the tokenizer saw any of it
+    _, prompt = calls.render(gw, None, chat([{"role": "user", "content": "x" * 20}]), 16)  # one that may fit
+    assert prompt and tokenised
 
 
 def test_rendering_takes_neither_the_gateways_lock_nor_the_event_loop() -> None:
     import asyncio
-    import threading
 
     from rollout.gateway import calls
     from rollout.gateway.auth import Caller
@@ -491,7 +519,6 @@ def test_rendering_takes_neither_the_gateways_lock_nor_the_event_loop() -> None:
     p = asyncio.run(call())
     assert seen and all(not on_loop and not locked for on_loop, locked in seen), seen
     assert sess.state == "calling" and sess.call_key == p.key and list(gw.inbox) == [p]
-    assert threading.current_thread() is threading.main_thread()
 
 
 def test_a_leaving_replica_ends_every_session_and_answers_every_waiter() -> None:
