@@ -448,28 +448,30 @@ def test_an_environments_own_tools_are_not_taught_twice() -> None:
     assert "- search()" in text and "- calculator(" not in text
 
 
+class Spied:
+    """The tokenizer (not under test), telling `seen` of each text it tokenises."""
+
+    def __init__(self, tok: Any, seen: Any):
+        self.tok, self.seen = tok, seen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+    def __call__(self, text: str, *a: Any, **kw: Any) -> Any:
+        self.seen(text)
+        return self.tok(text, *a, **kw)
+
+
 def test_the_size_is_checked_before_anything_is_tokenised() -> None:
     from rollout.gateway import calls
     from rollout.gateway.auth import ApiError
 
     tokenised: list[int] = []
-
-    class Counted:  # the tokenizer, counting what it is asked to tokenise
-        def __init__(self, tok: Any):
-            self.tok = tok
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.tok, name)
-
-        def __len__(self) -> int:
-            return len(self.tok)
-
-        def __call__(self, text: str, *a: Any, **kw: Any) -> Any:
-            tokenised.append(len(text))
-            return self.tok(text, *a, **kw)
-
     s = RolloutSettings(model_dir="/nonexistent", replica_id="r", gateway_max_context=200)  # type: ignore[arg-type]
-    gw = Gateway(s, Counted(TOK), GatewayMetrics(CollectorRegistry()))
+    gw = Gateway(s, Spied(TOK, lambda text: tokenised.append(len(text))), GatewayMetrics(CollectorRegistry()))
     assert gw.render.max_token_chars >= 1
     long = chat([{"role": "user", "content": "x" * (gw.render.max_token_chars * 200 + 1)}])
     for session in (None, gw._take(dispatched(gw)).session):  # uncaptured, and a session's call
@@ -489,27 +491,16 @@ def test_rendering_takes_neither_the_gateways_lock_nor_the_event_loop() -> None:
 
     seen: list[tuple[bool, bool]] = []
 
-    class Watched:
-        def __init__(self, tok: Any):
-            self.tok = tok
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.tok, name)
-
-        def __len__(self) -> int:
-            return len(self.tok)
-
-        def __call__(self, *a: Any, **kw: Any) -> Any:
-            try:
-                asyncio.get_running_loop()
-                on_loop = True
-            except RuntimeError:
-                on_loop = False
-            seen.append((on_loop, gw.lock.locked()))
-            return self.tok(*a, **kw)
+    def watch(_: str) -> None:
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        seen.append((on_loop, gw.lock.locked()))
 
     s = RolloutSettings(model_dir="/nonexistent", replica_id="r")  # type: ignore[arg-type]
-    gw = Gateway(s, Watched(TOK), GatewayMetrics(CollectorRegistry()))
+    gw = Gateway(s, Spied(TOK, watch), GatewayMetrics(CollectorRegistry()))
     sess = gw._take(dispatched(gw)).session
     req = chat([{"role": "user", "content": "long " * 200}])
 
