@@ -254,10 +254,7 @@ def session_state(request: Request, sid: str, caller: Auth) -> dict[str, Any]:
     gw: Gateway = request.app.state.gw
     sess = owned(gw, sid, caller)
     with gw.lock:
-        segs = [
-            {"reason": g.reason, "prompt_tokens": len(g.episode.opening), "tokens": len(g.episode.ids)}
-            for g in sess.segments
-        ]
+        segs = sess.segment_rows()
         return {
             "session_id": sid,
             "task_id": sess.task_id.removeprefix("own:"),

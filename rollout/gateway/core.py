@@ -483,28 +483,30 @@ class Gateway:
 
     def publish(self, consumer: StreamConsumer[PromptTask]) -> int:
         """Complete groups published (and their prompts acknowledged in the same step); the others over dead-lettered
-        with why (`env_failed`, `sessions_abandoned`, or the reason episode_group refuses them)."""
+        with why (`env_failed`, `sessions_abandoned`, or the reason episode_group refuses them). Their sessions are
+        retired: a late call with their key is told how they ended, their tokens gone."""
         with self.lock:
-            done = [g for g in self.groups.values() if g.complete()]
-            for g in done:
+            done = []
+            for g in [g for g in self.groups.values() if g.complete()]:
                 del self.groups[g.key]
+                ended = [(s.episode, g.scores[s.sid]) for s in g.sessions if s.state == "ended" and s.episode]
+                done.append((g, ended))
                 for s in g.sessions:
                     self.retired[s.sid] = self.sessions.pop(s.sid)
+                    s.retire()
             while len(self.retired) > RETIRED_KEPT:
                 self.retired.popitem(last=False)
             dead, self.dead = self.dead, []
         published = 0
-        for g in done:
+        for g, ended in done:
             if g.failed is not None:
                 dead.append((g, "env_failed", g.failed))
                 continue
-            ended = [s for s in g.sessions if s.state == "ended" and s.episode is not None]
             if len(ended) < min(2, g.task.n_samples):
                 dead.append((g, "sessions_abandoned", f"{len(g.sessions)} sessions, {len(ended)} ended: too few"))
                 continue
             try:
-                eps = [s.episode for s in ended if s.episode is not None]
-                scores = [g.scores[s.sid] for s in ended]
+                eps, scores = [e for e, _ in ended], [sc for _, sc in ended]
                 decode = lambda ids: self.tok.decode(ids, skip_special_tokens=False)  # noqa: E731
                 group = episode_group(g.task, eps, scores, self.s.replica_id, decode)
             except GroupRefused as e:

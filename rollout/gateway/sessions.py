@@ -254,6 +254,7 @@ class Session:
         self.tool_calls = 0
         self.env: tuple[str, str] | None = None  # an environment's task: (its instance, the episode id)
         self.taught = list(taught or [])  # tools its environment's opening teaches (rendered as the replica does)
+        self.rows: list[dict[str, Any]] = []  # its segments' summary once retired (segment_rows)
 
     @property
     def over(self) -> bool:
@@ -429,6 +430,20 @@ class Session:
         if choice >= len(seg.last.choices):
             raise CallRefused(f"choice {choice}: the last call has {len(seg.last.choices)} choices")
         return seg.last.choices[choice]
+
+    def segment_rows(self) -> list[dict[str, Any]]:
+        """Its segments as GET /v1/sessions/{id} shows them: why each began, its prompt's and its tokens' counts."""
+        if not self.segments:
+            return self.rows
+        return [
+            {"reason": g.reason, "prompt_tokens": len(g.episode.opening), "tokens": len(g.episode.ids)}
+            for g in self.segments
+        ]
+
+    def retire(self) -> None:
+        """Its group is out: only what its state reads is kept (the tokens go), for a late call told how it ended."""
+        self.rows = self.segment_rows()
+        self.segments, self.episode = [], None
 
     def stop(self, state: Literal["abandoned", "failed"], why: str) -> bool:
         """Any state not over -> abandoned (idle past its time, its client or replica gone) or failed (its

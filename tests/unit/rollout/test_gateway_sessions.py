@@ -192,17 +192,20 @@ def test_a_group_of_sessions_shares_its_longest_common_prompt() -> None:
         else:
             gw.abandon(sess, "idle")
     g.closed = True  # no new client for the seat given back
+    openings = [sess.segments[0].episode.opening for sess in g.sessions[:2]]
+    answers = [sess.segments[0].last.choices[0].c.token_ids for sess in g.sessions[:2]]  # type: ignore[union-attr]
     consumer = _Consumer([])
     assert gw.publish(consumer) == 1  # type: ignore[arg-type]
     ((acked, [(_, group)]),) = consumer.published
     assert acked == ["1-0"] and group.task.n_samples == 2 and [x.reward for x in group.scores] == [0.0, 1.0]
-    openings = [sess.segments[0].episode.opening for sess in g.sessions[:2]]
     n = common_prefix(openings)
     assert 0 < n < min(map(len, openings)) and group.task.prompt_token_ids.tolist() == openings[0][:n]
-    for sample, opening, sess in zip(group.samples, openings, g.sessions, strict=False):
-        answer_ids = sess.segments[0].last.choices[0].c.token_ids  # type: ignore[union-attr]
+    for sample, opening, answer_ids in zip(group.samples, openings, answers, strict=True):
         assert sample.response_token_ids.tolist() == opening[n:] + answer_ids
         assert sample.loss_mask() == [0] * (len(opening) - n) + [1] * len(answer_ids)
+    # the sessions are retired with their group: their keys still say how they ended, their tokens are gone
+    assert all(sess.segments == [] and sess.episode is None for sess in g.sessions)
+    assert g.sessions[2].segment_rows()[0]["reason"] == "start" and g.sessions[2].state == "abandoned"
 
 
 def test_end_takes_a_reward_or_a_scoring_not_both() -> None:
