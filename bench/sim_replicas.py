@@ -95,9 +95,9 @@ class SimEngine:
 
 class SimContinuousEngine(SimEngine):
     """The ContinuousBatching protocol (rollout/engines/base.py) without a model: each step takes STEP_S, and the
-    tokens of that time at `tokens_per_s` go to the sequences in flight in equal shares; a sequence is done when it
-    has its drawn length, a group when its G are; a load between two steps marks each sequence's tokens so far
-    (theirs are the old version's, the rest the new one's)."""
+    tokens of the time since the last step at `tokens_per_s` go to the sequences in flight in equal shares; a
+    sequence is done when it has its drawn length, a group when its G are; a load between two steps marks each
+    sequence's tokens so far (theirs are the old version's, the rest the new one's)."""
 
     STEP_S = 0.02
     update = "keep"
@@ -106,6 +106,7 @@ class SimContinuousEngine(SimEngine):
     def __init__(self, tokenizer: Any, tokens_per_s: float, lengths: list[int], seed: int):
         super().__init__(tokenizer, tokens_per_s, lengths, seed)
         self.groups: dict[str, list[list[Any]]] = {}  # key -> [length, done, answer text, version marks] per sample
+        self._last_step: float | None = None  # monotonic end of the last step that ran sequences
 
     @property
     def chunked(self) -> SimEngine:
@@ -137,9 +138,17 @@ class SimContinuousEngine(SimEngine):
     def step(self) -> list[tuple[str, list[Completion]]]:
         running = [seq for g in self.groups.values() for seq in g if seq[1] < seq[0]]
         if not running:
+            self._last_step = None
             return []
         time.sleep(self.STEP_S)
-        share = self.tokens_per_s * self.STEP_S / len(running)
+        # The tokens of the wall time since the last step (at least STEP_S, at most a second): a real engine runs on
+        # its own device while its loop does the rest, but these replicas' loops share two cores up to 64 ways, and
+        # crediting STEP_S alone would slow the engine by the simulation's own crowding.
+        now = time.monotonic()
+        last = self._last_step
+        self._last_step = now
+        dt = self.STEP_S if last is None else min(1.0, max(self.STEP_S, now - last))
+        share = self.tokens_per_s * dt / len(running)
         for seq in running:
             seq[1] = min(seq[0], seq[1] + share)
         done = [key for key, g in self.groups.items() if all(seq[1] >= seq[0] for seq in g)]
@@ -181,8 +190,12 @@ def record_waits(replica: Replica, waits: list[tuple[float, float]]) -> None:
 class SimReplica:
     def __init__(self, name: str, args: argparse.Namespace, tokenizer: Any, lengths: list[int]):
         self.name, self.args = name, args
-        kind = SimContinuousEngine if args.loop == "continuous" else SimEngine
-        self.engine = kind(tokenizer, args.tokens_per_s, lengths, seed=zlib.crc32(name.encode()))
+        seed = zlib.crc32(name.encode())
+        self.engine: SimEngine = (
+            SimContinuousEngine(tokenizer, args.tokens_per_s, lengths, seed)
+            if args.loop == "continuous"
+            else SimEngine(tokenizer, args.tokens_per_s, lengths, seed)
+        )
         self.waits: list[tuple[float, float]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name=name, daemon=True)
@@ -200,7 +213,7 @@ class SimReplica:
             engine="hf",
             model_dir=a.model_dir,
             prompts_per_call=1,
-            max_in_flight=64,
+            max_in_flight=a.max_in_flight,
             sync_broadcast=a.broadcast,
             weights_dir=a.weights_dir,
             sync_device="cpu",
@@ -270,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--churn-every-s", type=float, default=60.0)
     p.add_argument("--stagger-s", type=float, default=0.05, help="between two replicas' starts")
     p.add_argument("--loop", choices=("continuous", "chunked"), default="continuous", help="the replicas' loop")
+    p.add_argument("--max-in-flight", type=int, default=64, help="sequences a replica runs at once (continuous)")
     a = p.parse_args(argv)
     configure_logging("sim-replicas", ServiceSettings())  # DAPO_LOG_LEVEL, as the services
     stop = threading.Event()

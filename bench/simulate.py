@@ -9,7 +9,10 @@ learner (bench/sim_learner.py: the learner's protocol, its training step replace
 N threads in `--procs` processes running the real replica code — its continuous-batching loop, or `--loop chunked`
 — with a simulated engine (bench/sim_replicas.py).
 The total offered load is held constant (`--groups-per-s`; each replica generates at that ÷ N), so a cost that
-grows with N is a cost of N itself, not of more work. After `--warmup-s`, a window of `--seconds`:
+grows with N is a cost of N itself, not of more work. A continuous replica runs one group at a time (max_in_flight
+= G), as the chunked loop calls the engine with one prompt: the simulated engine's throughput does not grow with its
+batch as a real one's does, so a replica holding 8 of the window's prompts while others idle (max_in_flight 64: 8-11
+of the 32 groups/s at N = 64) would measure the simulation. After `--warmup-s`, a window of `--seconds`:
 
     groups/s          scored groups published by the replicas (dapo:rollouts entries added) per second
     dispatch p50/p99  a prompt's wait in dapo:prompts: its entry's time to a replica's read
@@ -150,6 +153,7 @@ class Mesh:
             replicas = {"redis_url": redis_url, "reward_url": reward, "prefix": f"sim{i}", "count": count}
             replicas |= {"tokens_per_s": tokens_per_s, "lengths": lengths, "out": work / f"replicas-{i}.json"}
             replicas |= {"model_dir": model, "churn": a.churn, "churn_every_s": a.churn_every_s, "loop": a.loop}
+            replicas |= {"max_in_flight": G}  # one group at a time, as the chunked loop's one prompt per call
             self.spawn(f"replicas-{i}", ["bench.sim_replicas", *to_flags(replicas), *sync])
 
     def stop(self) -> None:
