@@ -69,7 +69,9 @@ class RouterMetrics:
 
 
 def error(status: int, message: str, code: str, retry_after: int | None = None) -> JSONResponse:
-    kind = {410: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+    kind = {400: "invalid_request_error", 410: "invalid_request_error", 429: "rate_limit_error"}.get(
+        status, "server_error"
+    )
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return JSONResponse(body, status_code=status, headers=headers)
@@ -102,7 +104,7 @@ class Router:
         """The request as it came, to `replica`; the answer's body not read yet (a stream passes through)."""
         assert self.http is not None
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
-        url = replica.url + request.url.path
+        url = replica.url + target(request)
         req = self.http.build_request(request.method, url, params=request.query_params, content=body, headers=headers)
         return await self.http.send(req, stream=True)
 
@@ -212,6 +214,18 @@ def gone(sid: str, why: str) -> JSONResponse:
     return error(410, f"session {sid} is lost with its replica ({why}): open a new session", "session_replica_gone")
 
 
+def target(request: Request) -> str:
+    """The path as the client sent it, still percent-encoded (the decoded one may hold characters no URL may: a
+    `%17` in a model's name), checked as a URL; raises ValueError when it is not one."""
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    try:
+        path = raw.decode("ascii")
+        httpx.URL("http://replica" + path)
+    except (UnicodeDecodeError, httpx.InvalidURL) as e:
+        raise ValueError(str(e)) from None
+    return path
+
+
 def session_of(request: Request) -> str | None:
     """The session a call belongs to: /v1/sessions/{id}... names it, else a session's key does."""
     parts = request.url.path.split("/")
@@ -251,14 +265,22 @@ def build_app(s: RouterSettings) -> FastAPI:
     async def route(request: Request, path: str) -> Any:
         t0 = time.perf_counter()
         body = await request.body()
-        if request.method == "POST" and request.url.path == "/v1/sessions":
-            answer, kind = await router.open_session(request, body), "open"
-        elif (sid := session_of(request)) is not None:
-            answer, kind = await router.to_session(request, sid, body), "session"
+        answer: Response
+        try:
+            target(request)
+        except ValueError as e:
+            answer, kind = error(400, f"the path cannot be sent on: {e}", "invalid_path"), "other"
         else:
-            answer, kind = await router.to_any(request, body), "other"
+            answer, kind = await dispatch(request, body)
         metrics.requests.labels(kind, str(answer.status_code)).inc()
         metrics.seconds.observe(time.perf_counter() - t0)
         return answer
+
+    async def dispatch(request: Request, body: bytes) -> tuple[Response, str]:
+        if request.method == "POST" and request.url.path == "/v1/sessions":
+            return await router.open_session(request, body), "open"
+        if (sid := session_of(request)) is not None:
+            return await router.to_session(request, sid, body), "session"
+        return await router.to_any(request, body), "other"
 
     return app
