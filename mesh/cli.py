@@ -361,7 +361,7 @@ def evaluate(
     run = RunLayout(RUN_DIR)
     if data is None:
         data = str(run.eval_items) if run.eval_items.is_file() else "reasoning_gym:chain_sum"
-        console.print(f"held-out items: {data}", markup=False)
+        typer.echo(f"held-out items: {data}", err=True)  # stderr: with --json, stdout is the report alone
     if as_json:  # stdout is the report alone: vLLM logs to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from rollout.engines import SamplingParams, load_engine
