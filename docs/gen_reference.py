@@ -46,6 +46,7 @@ SERVICES = [
     ("rollout", "Rollout replica", "rollout.settings", "RolloutSettings", "python -m rollout"),
     ("learner", "Learner", "learner.settings", "LearnerSettings", "python -m learner"),
     ("router", "Router", "router.settings", "RouterSettings", "python -m router"),
+    ("sandbox", "Sandbox service", "sandbox.settings", "SandboxSettings", "python -m sandbox"),
 ]
 # what several services inherit: documented once, above the services
 COMMON = [

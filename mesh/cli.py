@@ -13,7 +13,7 @@ dapo-mesh replay          # retrain a recorded run's batches, to compare weights
 dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
 dapo-mesh merge           # a LoRA snapshot + its base model -> an HF folder loadable without LoRA
 dapo-mesh redis           # run the embedded Redis in the foreground
-dapo-mesh reward | env | buffer | learner | rollout | router ...   # one service, as `python -m <its package>`
+dapo-mesh reward | env | buffer | learner | rollout | router | sandbox ...   # one service: `python -m <package>`
 """
 
 from __future__ import annotations
@@ -183,6 +183,7 @@ SERVICES = {
     "buffer": "the buffer",
     "rollout": "a replica",
     "router": "the gateway's router (one endpoint for every replica's gateway)",
+    "sandbox": "the sandbox service (untrusted programs, isolated)",
 }
 for _name, _what in SERVICES.items():
     _passthrough(_name, MODULES[_name], _what)

@@ -37,6 +37,7 @@ MODULES = {
     "learner": "learner",
     "rollout": "rollout",
     "router": "router",
+    "sandbox": "sandbox",
 }
 SYNC_PORT = "sync"  # the learner's weight-sync rendezvous, in the ports mapping beside the services' HTTP ports
 

@@ -133,6 +133,23 @@ def test_env_server_survives_1000_generated_requests(tmp_path: Path) -> None:
     assert stats["2xx"] > 200 and stats["4xx"] > 200
 
 
+SANDBOX_BUDGET = {("POST", "/v1/run"): 400, ("POST", "/v1/batch"): 200}
+
+
+@pytest.mark.slow
+def test_sandbox_survives_generated_programs_and_limits(tmp_path: Path) -> None:
+    """Generated programs (mostly not Python), stdins, files and limits, valid and not, run for real in the sandbox:
+    every answer is a 2xx (it ran, whatever its verdict) or a 4xx — never the sandbox failing to start one (503)."""
+    args = ["--api-docs", "--wall-s", "2", "--max-wall-s", "5", "--cpu-s", "2", "--max-cpu-s", "5", "--max-batch", "16"]
+    with running("sandbox", *args, env={"DAPO_AUTH_TOKEN": TOKEN}, ready_path="/readyz", token=TOKEN,
+                 log=tmp_path / "sandbox.log") as (base, proc):  # fmt: skip
+        stats = fuzz(base, SANDBOX_BUDGET)
+        assert proc.poll() is None
+    print(f"sandbox fuzz: {dict(stats)}")
+    assert stats["cases"] >= 600 and stats["5xx"] == 0
+    assert stats["2xx"] > 100 and stats["4xx"] > 100
+
+
 GATEWAY_BUDGET = {("POST", "/v1/chat/completions"): 1000, ("POST", "/v1/completions"): 600,
                   ("POST", "/v1/sessions"): 200, ("POST", "/v1/sessions/{sid}/end"): 200,
                   ("GET", "/v1/sessions/{sid}"): 100, ("GET", "/v1/models"): 100,
