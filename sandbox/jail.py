@@ -163,10 +163,11 @@ class Jail:
         )
         os.close(fds.pop(0))  # our copy of the info pipe's write end: bwrap holds its own
         watch = _Watch(proc, info, stdin, limits.output_bytes, t0 + limits.wall_s)
+        why = "failed"  # until the pump returns: should it raise, the run is stopped all the same
         try:
             why = watch.pump()
         finally:
-            _stop(proc.pid, watch.child)
+            _stop(proc.pid, watch.child_fd, stopped=why != "")
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)
             for f in (proc.stdin, proc.stdout, proc.stderr):
@@ -195,13 +196,15 @@ class Jail:
         )
 
 
-def _stop(bwrap_pid: int, child: int | None) -> None:
-    """End a run: SIGKILL the program (bwrap then reaps it, so its usage is counted, and exits), then bwrap's whole
-    process group. A no-op for a run that ended by itself."""
-    if child:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
-        _exited_by(bwrap_pid, time.monotonic() + 2.0)
+def _stop(bwrap_pid: int, child_fd: int | None, stopped: bool) -> None:
+    """End a run. One a limit `stopped`: SIGKILL the program (bwrap then reaps it, so its usage is counted, and
+    exits). Then bwrap's whole process group (bwrap, a zombie till we reap it, keeps its pid and group ours)."""
+    if child_fd is not None:
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(child_fd, signal.SIGKILL)
+            _exited_by(bwrap_pid, time.monotonic() + 2.0)
+        os.close(child_fd)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(bwrap_pid, signal.SIGKILL)
 
@@ -248,6 +251,7 @@ class _Watch:
         self.bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
         self.out_fd, self.err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         self.child: int | None = None
+        self.child_fd: int | None = None
         self.peak_kb = 0
         self._info = b""
         self._sampled = 0.0
@@ -293,8 +297,10 @@ class _Watch:
             self._info += chunk
             if not chunk or b"}" in self._info:
                 sel.unregister(fd)
-                with contextlib.suppress(ValueError):
+                with contextlib.suppress(ValueError, OSError):  # OSError: it is gone already
                     self.child = json.loads(self._info).get("child-pid")
+                    if self.child:  # held from now on: a signal through it can never reach a reused pid
+                        self.child_fd = os.pidfd_open(self.child)
             return False
         if fd not in self.bufs:  # stdin
             assert self.proc.stdin
