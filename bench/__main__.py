@@ -12,6 +12,7 @@ from bench import (
     ranks,
     reward,
     rollout,
+    sandbox,
     weight_sync,
 )
 from bench.common import print_table
@@ -32,4 +33,5 @@ if __name__ == "__main__":
         + weight_sync.run()
         + lora.run()
         + mesh.run()
+        + sandbox.run()
     )

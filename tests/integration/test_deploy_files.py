@@ -39,11 +39,12 @@ def exported_metrics() -> set[str]:
     from reward_server.scoring import RewardMetrics
     from rollout.gateway.metrics import GatewayMetrics
     from rollout.metrics import RolloutMetrics
+    from sandbox.app import SandboxMetrics
     from services.streams import StreamMetrics
 
     registry = CollectorRegistry()
     for cls in (LearnerMetrics, SyncMetrics, RewardMetrics, RolloutMetrics, BufferMetrics, StreamMetrics, EnvMetrics,
-                GatewayMetrics):  # fmt: skip
+                GatewayMetrics, SandboxMetrics):  # fmt: skip
         cls(registry)
     names = set()
     for family in registry.collect():
@@ -72,7 +73,7 @@ def test_dashboard_and_alerts_use_only_exported_metrics() -> None:
         assert not unknown, f"{where} references metrics no service exports: {sorted(unknown)}"
     # the dashboard covers the mesh end to end: every service's metrics appear
     prefixes = ("dapo_reward_", "dapo_env_", "dapo_buffer_", "dapo_rollout_", "dapo_learner_", "dapo_learner_sync_",
-                "dapo_gateway_", "dapo_eval_")  # fmt: skip
+                "dapo_gateway_", "dapo_eval_", "dapo_sandbox_")  # fmt: skip
     for prefix in prefixes:
         assert any(m.startswith(prefix) for m in referenced("\n".join(exprs))), prefix
     # Grafana lays the panels out as written: none may cover another
@@ -92,7 +93,7 @@ def test_referenced_finds_names() -> None:  # the check above must be able to fa
 # ---------------------------------------------------------------------------------------- compose
 
 SCRAPED = {"reward-server": 8001, "env-server": 8005, "learner": 8002, "buffer": 8003, "rollout": 8004,
-           "router": 8010}  # HTTP ports  # fmt: skip
+           "router": 8010, "sandbox": 8006}  # HTTP ports  # fmt: skip
 
 
 def compose() -> dict[str, Any]:
@@ -112,7 +113,7 @@ def test_compose_file_is_valid_compose_spec() -> None:
 def test_compose_references_and_health() -> None:
     c = compose()
     services, volumes, secrets = c["services"], set(c["volumes"]), set(c["secrets"])
-    expected = {"redis", "reward-server", "env-server", "buffer", "rollout", "learner", "prometheus", "grafana"}
+    expected = set(SCRAPED) | {"redis", "prometheus", "grafana"}  # every service with a port (the sandbox too)
     assert expected <= set(services)
     for name, svc in services.items():
         for dep, cond in svc.get("depends_on", {}).items():
@@ -272,8 +273,8 @@ def test_kustomize_overlay_is_valid(overlay: str) -> None:
         kubernetes_validate.validate(d, "1.31", strict=True)  # raises ValidationError / SchemaNotFoundError
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     for kind, name in (("Deployment", "reward-server"), ("Deployment", "env-server"), ("Deployment", "buffer"),
-                       ("Deployment", "rollout"), ("Deployment", "router"), ("StatefulSet", "learner"),
-                       ("StatefulSet", "redis")):  # fmt: skip
+                       ("Deployment", "rollout"), ("Deployment", "router"), ("Deployment", "sandbox"),
+                       ("StatefulSet", "learner"), ("StatefulSet", "redis")):  # fmt: skip
         pod = by[(kind, name)]["spec"]["template"]["spec"]
         c = pod["containers"][0]
         assert "readinessProbe" in c and "livenessProbe" in c, name
@@ -286,16 +287,17 @@ def test_kustomize_overlay_is_valid(overlay: str) -> None:
     # KEDA's operator runs in its own namespace: the address must name ours
     namespace = by[("Service", "redis")]["metadata"]["namespace"]
     assert trigger["metadata"]["address"] == f"redis-0.redis.{namespace}.svc.cluster.local:6379"
-    # the environment service: headless (episodes live in one pod's memory: clients pin each to a pod address),
-    # scaled on the open episodes of this namespace's pods
+    # the environment service: headless (episodes live in one pod's memory: clients pin each to a pod address);
+    # it and the sandbox scaled on what this namespace's pods hold: open episodes, runs waiting for a worker
     assert by[("Service", "env-server")]["spec"]["clusterIP"] == "None"
-    env_scaler = by[("ScaledObject", "env-server")]["spec"]
-    assert env_scaler["scaleTargetRef"]["name"] == "env-server" and ("Deployment", "env-server") in by
-    (trigger,) = env_scaler["triggers"]
-    assert trigger["type"] == "prometheus" and set(trigger["metadata"]) <= PROMETHEUS_KEYS
-    assert trigger["metadata"]["query"] == f'sum(dapo_env_episodes_open{{namespace="{namespace}",job="env-server"}})'
-    assert not referenced(trigger["metadata"]["query"]) - exported_metrics()
-    assert float(trigger["metadata"]["threshold"]) > 0
+    for name, metric in (("env-server", "dapo_env_episodes_open"), ("sandbox", "dapo_sandbox_queued_runs")):
+        scaler = by[("ScaledObject", name)]["spec"]
+        assert scaler["scaleTargetRef"]["name"] == name and ("Deployment", name) in by
+        (trigger,) = scaler["triggers"]
+        assert trigger["type"] == "prometheus" and set(trigger["metadata"]) <= PROMETHEUS_KEYS
+        assert trigger["metadata"]["query"] == f'sum({metric}{{namespace="{namespace}",job="{name}"}})', name
+        assert not referenced(trigger["metadata"]["query"]) - exported_metrics()
+        assert float(trigger["metadata"]["threshold"]) > 0
     # Prometheus scrapes every mesh pod with an HTTP port (the PodMonitor's job label is the pod's name label)
     monitor = by[("PodMonitor", "dapo-mesh")]["spec"]
     for (kind, name), d in by.items():
@@ -326,14 +328,19 @@ def test_kustomize_overlay_is_valid(overlay: str) -> None:
                      ("DAPO_SESSION_TOKEN", "session-token"), ("DAPO_SYNC_SECRET", "sync-secret")):  # fmt: skip
         ref = env[var]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "dapo-secrets", "key": key, "optional": True}, var
+    sandbox = by[("Deployment", "sandbox")]["spec"]["template"]["spec"]["containers"][0]
+    ref = next(e for e in sandbox["env"] if e["name"] == "DAPO_SANDBOX_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "dapo-secrets", "key": "sandbox-token", "optional": True}
+    assert {"name": "http", "port": 8006, "targetPort": "http"} in by[("Service", "sandbox")]["spec"]["ports"]
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    """A Kubernetes label selector (matchLabels, matchExpressions with In) against a pod's labels."""
+    """A Kubernetes label selector (matchLabels, matchExpressions with In or NotIn) against a pod's labels."""
     if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
         return False
+    operators = {"In": lambda v, values: v in values, "NotIn": lambda v, values: v not in values}  # absent: not in
     return all(
-        e["operator"] == "In" and labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+        operators[e["operator"]](labels.get(e["key"]), e["values"]) for e in selector.get("matchExpressions", [])
     )
 
 
@@ -364,15 +371,20 @@ def allowed(policies: list[dict[str, Any]], src: dict[str, str], dst: dict[str, 
 @needs["kubectl"]
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pods_are_locked_down(overlay: str) -> None:
-    """Non-root, no privilege escalation, no capabilities, the runtime's seccomp profile, a read-only root with
-    the writable paths mounted; and a default-deny network where each pod reaches only what it uses."""
+    """Non-root, no privilege escalation, no capabilities, the runtime's seccomp profile (but for the sandbox), a
+    read-only root with the writable paths mounted; and a default-deny network where each pod reaches only what it
+    uses."""
     docs = build(overlay)
+    unconfined: set[str] = set()
     for d in docs:
         if d["kind"] not in ("Deployment", "StatefulSet"):
             continue
         pod = d["spec"]["template"]["spec"]
-        assert pod["securityContext"]["runAsNonRoot"] is True, d["metadata"]["name"]
-        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, d["metadata"]["name"]
+        name = d["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0, name
+        if pod["securityContext"]["seccompProfile"] != {"type": "RuntimeDefault"}:
+            assert pod["securityContext"]["seccompProfile"] == {"type": "Unconfined"}, name
+            unconfined.add(name)
         for c in pod.get("initContainers", []) + pod["containers"]:
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, c["name"]
@@ -380,6 +392,10 @@ def test_pods_are_locked_down(overlay: str) -> None:
             if "dapo-mesh" in c["image"]:
                 mounted = {m["mountPath"] for m in c.get("volumeMounts", [])}
                 assert {"/tmp", "/home/dapo/.cache"} <= mounted, c["name"]
+    # the one exception, documented (base/sandbox.yaml): bubblewrap makes user namespaces, which the RuntimeDefault
+    # profiles refuse; otherwise the sandbox is locked down as the rest (non-root, no capabilities, no escalation:
+    # checked above for every pod)
+    assert unconfined == {"sandbox"}
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
     assert any(p["spec"]["podSelector"] == {} and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
                and not p["spec"].get("ingress") and not p["spec"].get("egress") for p in policies)  # fmt: skip
@@ -412,6 +428,20 @@ def test_pods_are_locked_down(overlay: str) -> None:
     assert not allowed(policies, pod("buffer"), pod("rollout"), 8010)
     (router,) = [p["spec"] for p in policies if p["metadata"]["name"] == "router"]
     assert router["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8010}]}]  # any source, this port only
+    # the sandbox: the reward server and the environment service call it, no one else; it calls no one
+    for caller in ("reward-server", "env-server"):
+        assert allowed(policies, pod(caller), pod("sandbox"), 8006), caller
+    for other in ("rollout", "buffer", "learner", "router"):
+        assert not allowed(policies, pod(other), pod("sandbox"), 8006), other
+    assert not allowed(policies, pod("reward-server"), pod("sandbox"), 8001)  # its port only
+    assert not allowed(policies, pod("sandbox"), pod("redis"), 6379)
+    assert not allowed(policies, pod("sandbox"), pod("reward-server"), 8001)
+    assert not allowed(policies, pod("sandbox"), pod("env-server"), 8005)
+    # nothing at all, DNS included: no policy with an egress rule selects it (the DNS one selects every other pod)
+    egress = {p["metadata"]["name"]: p["spec"] for p in policies if p["spec"].get("egress")}
+    assert not [name for name, spec in egress.items() if selects(spec["podSelector"], pod("sandbox"))]
+    for other in ("reward-server", "env-server", "buffer", "learner", "rollout", "router", "redis"):
+        assert selects(egress["dns-egress"]["podSelector"], pod(other)), other
 
 
 @needs["kubectl"]
@@ -467,7 +497,7 @@ def test_the_hpa_component_is_valid(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     hpas = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
-    assert {h["metadata"]["name"] for h in hpas} == {"rollout", "env-server"}
+    assert {h["metadata"]["name"] for h in hpas} == {"rollout", "env-server", "sandbox"}
     deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
     for h in hpas:
         kubernetes_validate.validate(h, "1.31", strict=True)
