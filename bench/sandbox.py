@@ -10,6 +10,7 @@ Run: `python -m bench.sandbox [--runs N]`.
 from __future__ import annotations
 
 import argparse
+import json
 import queue
 import statistics
 import subprocess
@@ -133,11 +134,49 @@ def _batch_row(client: httpx.Client, workers: int, bare: Callable[[int], None]) 
     )
 
 
+def verifier_row(python: str, tmp: str, answers: int = 64, tests: int = 10) -> Result:
+    """The reward server's `code` verifier: `answers` right answers x `tests` stdin/stdout tests in one score request
+    (the sandbox at 2 workers) against the same programs on the same inputs run bare from 2 threads."""
+
+    def truth(i: int) -> str:
+        return json.dumps(
+            {"inputs": [f"{i} {t}\n" for t in range(tests)], "outputs": [f"{i + t}\n" for t in range(tests)]}
+        )
+
+    answer = f"```python\n{SOURCE}\n```"
+    items = [{"id": str(i), "response": answer, "ground_truth": truth(i), "verifier": "code"} for i in range(answers)]
+    with running("sandbox", "--workers", "2", "--log-level", "WARNING", ready_path="/readyz") as (sandbox, _):
+        args = ["--workers", "1", "--sandbox-url", sandbox, "--cache-size", "0", "--log-level", "WARNING"]
+        with running("reward_server", *args, ready_path="/readyz") as (base, _):
+            t0 = time.perf_counter()
+            r = httpx.post(f"{base}/v1/score", json={"items": items}, timeout=600)
+            served = answers / (time.perf_counter() - t0)
+    assert all(x["acc"] for x in r.json()["results"]), r.text[:500]
+
+    def bare(k: int) -> None:
+        i, t = divmod(k, tests)
+        p = subprocess.run([python, "-E", "-s", "main.py"], cwd=tmp, input=f"{i} {t}", capture_output=True, text=True)
+        assert p.stdout == f"{i + t}\n", p.stderr
+
+    t0 = time.perf_counter()
+    _parallel(2, answers * tests, bare)
+    plain = answers / (time.perf_counter() - t0)
+    return Result(
+        "sandbox",
+        f"code verifier: {answers} answers x {tests} tests in one /v1/score (sandbox 2 workers)",
+        served,
+        plain,
+        "answers/s",
+        f"the {answers * tests} programs run bare, 2 threads",
+        "≥ 0.5",
+    )
+
+
 def run(runs: int = 200) -> list[Result]:
     python = find_python(None)
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "main.py").write_text(SOURCE)
-        return _rows(1, runs // 2, python, tmp) + _rows(2, runs, python, tmp)
+        return _rows(1, runs // 2, python, tmp) + _rows(2, runs, python, tmp) + [verifier_row(python, tmp)]
 
 
 def main() -> None:

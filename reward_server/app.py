@@ -13,10 +13,11 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, HTTPException, status
 from prometheus_client import CollectorRegistry
 
+from reward_server.code_runner import CodeRunner
 from reward_server.pool import VerifierPool
 from reward_server.scoring import RewardMetrics, Scorer
 from reward_server.settings import RewardSettings
-from reward_server.verifiers import check_name, dapo_math
+from reward_server.verifiers import SANDBOXED, check_name, dapo_math
 from services.schemas import ScoreItem, ScoreRequest, ScoreResponse
 from services.web import create_app, require_role
 
@@ -41,6 +42,8 @@ def _check_caps(items: list[ScoreItem], s: RewardSettings) -> None:
                 f"the limit is {s.max_ground_truth_chars}",
             )
     problems = {name: p for name in {it.verifier for it in items} if (p := check_name(name))}
+    if s.sandbox_url is None and any(it.verifier in SANDBOXED for it in items):
+        problems["code"] = "the code verifier runs programs in the sandbox service: start the server with --sandbox-url"
     if problems:
         where = [
             f"items[{i}].verifier: {problems[it.verifier]}" for i, it in enumerate(items) if it.verifier in problems
@@ -57,7 +60,8 @@ def build_app(settings: RewardSettings) -> FastAPI:
         memory_mb=settings.worker_memory_mb,
         on_restart=metrics.pool_restarts.inc,
     )
-    scorer = Scorer(settings, pool, metrics)
+    code = CodeRunner(settings) if settings.sandbox_url is not None else None
+    scorer = Scorer(settings, pool, metrics, code)
     metrics.pool_workers.set_function(lambda: pool.alive)
 
     def ready() -> tuple[bool, str]:
@@ -79,6 +83,8 @@ def build_app(settings: RewardSettings) -> FastAPI:
             yield
         finally:
             await pool.close()
+            if code is not None:
+                await code.close()
 
     app = create_app("reward", settings, registry, ready=ready, lifespan=lifespan)
     app.state.pool = pool

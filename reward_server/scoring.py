@@ -21,10 +21,11 @@ from typing import Any
 from cachetools import LRUCache
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from reward_server.code_runner import CodeRunner
 from reward_server.overlong import overlong_penalty
 from reward_server.pool import JobTimeout, VerifierPool, WorkerDied
 from reward_server.settings import RewardSettings
-from reward_server.verifiers import INLINE, Verdict, run_verifier
+from reward_server.verifiers import INLINE, SANDBOXED, Verdict, run_verifier
 from reward_server.verifiers.dapo_math import INLINE_MAX_GROUND_TRUTH, TAIL_CHARS
 from services.schemas import ScoreItem, ScoreResult
 
@@ -60,8 +61,10 @@ class RewardMetrics:
 
 
 class Scorer:
-    def __init__(self, settings: RewardSettings, pool: VerifierPool, metrics: RewardMetrics):
-        self.settings, self.pool, self.metrics = settings, pool, metrics
+    def __init__(
+        self, settings: RewardSettings, pool: VerifierPool, metrics: RewardMetrics, code: CodeRunner | None = None
+    ):
+        self.settings, self.pool, self.metrics, self.code = settings, pool, metrics, code
         self.cache: LRUCache[tuple[str, str, Any], Verdict] | None = (
             LRUCache(settings.cache_size) if settings.cache_size else None
         )
@@ -111,6 +114,9 @@ class Scorer:
             return Verdict(-1.0, False, error=f"{type(e).__name__}: {e}")
 
     async def _pooled(self, item: ScoreItem) -> Verdict:
+        if item.verifier in SANDBOXED:  # I/O, not CPU: awaited here, under its own time limits
+            assert self.code is not None, "the app refuses code items without a sandbox (422)"
+            return await self.code.verify(item.response, item.ground_truth)
         job = {"verifier": item.verifier, "response": item.response, "ground_truth": item.ground_truth}
         for attempt in (1, 2):  # a worker found dead is replaced; the job gets one more worker
             try:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Self
+from typing import Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, model_validator
 
 from services.settings import ServiceSettings
 
@@ -32,6 +32,21 @@ class RewardSettings(ServiceSettings):
     overlong_factor: float = Field(1.0, ge=0, description="Penalty at and beyond L_max.")
     rg_lenient: bool = Field(True, description="reasoning_gym: fall back to the last number in the response.")
     rg_continuous: bool = Field(False, description="reasoning_gym: reward 2*score-1 instead of +-1.")
+    sandbox_url: AnyHttpUrl | None = Field(
+        None, description="The sandbox service the `code` verifier runs programs in (unset: `code` items are a 422)."
+    )
+    sandbox_token: SecretStr | None = Field(
+        None, description="The sandbox role's token, sent to the sandbox service. Unset: the auth token."
+    )
+    code_test_timeout_s: float = Field(
+        5.0, gt=0, le=60, description="code: wall and CPU time of one test (verl's prime_code: 5 s)."
+    )
+    code_answer_timeout_s: float = Field(60.0, gt=0, le=600, description="code: time for all of one answer's tests.")
+    code_memory_mb: int = Field(1024, ge=64, description="code: memory of each test's process.")
+    code_reward: Literal["all", "fraction"] = Field(
+        "all",
+        description="code: +1 when every test passes and -1 otherwise (DAPO's rule), or 2*passed/tests-1 (fraction).",
+    )
 
     @model_validator(mode="after")
     def _buffer_fits(self) -> Self:

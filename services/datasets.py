@@ -41,6 +41,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from services.code_tests import parse_tests
+
 Template = Literal["dapo", "short", "none"]
 EVAL_SEED_OFFSET = 1_000_003
 EVAL_ITEMS_FILE = "eval.jsonl"
@@ -216,10 +218,17 @@ def _verl_row(i: int, row: dict[str, Any], path: Path, template: Template, verif
         raise ValueError(f"{path} row {i}: no reward_model.ground_truth")
     source = str(row.get("data_source", path.stem))
     ident = (row.get("extra_info") or {}).get("index", i)
+    truth = rm["ground_truth"]
+    if verifier == "code":  # its tests: checked now, before anything starts (services/code_tests.py)
+        truth = truth if isinstance(truth, str) else json.dumps(truth)
+        try:
+            parse_tests(truth)
+        except ValueError as e:
+            raise ValueError(f"{path} row {i}: {e}") from None
     return Item(
         f"file/{path.name}/{ident}",
         apply_template(text, template),
-        str(rm["ground_truth"]),
+        str(truth),
         str(verifier),
         source,
     )

@@ -4,6 +4,8 @@
     dapo_math               the DAPO rule reward (parity with the authors' verl reference)
     math_verify             HF math-verify symbolic equivalence
     reasoning_gym:<task>    reasoning-gym's own score_answer for <task>
+    code                    the answer's program against its tests, in the sandbox service (verifiers/code.py;
+                            run by reward_server/code_runner.py, neither inline nor pooled: it waits on HTTP)
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from reward_server.verifiers.reasoning_gym import PREFIX as RG_PREFIX
 
 INLINE = {"dapo_math"}
 POOLED = {"math_verify"}
+SANDBOXED = {"code"}
 
 
 def check_name(name: str) -> str | None:
     """None if `name` is a verifier this server knows, else what is wrong with it."""
-    if name in INLINE or name in POOLED:
+    if name in INLINE or name in POOLED or name in SANDBOXED:
         return None
     if name.startswith(RG_PREFIX):
         from reward_server.verifiers.reasoning_gym import known_tasks
@@ -27,7 +30,7 @@ def check_name(name: str) -> str | None:
         if task in known_tasks():
             return None
         return f"unknown reasoning-gym task {task!r} (e.g. chain_sum, basic_arithmetic, gsm_symbolic)"
-    return f"unknown verifier {name!r}: use dapo_math, math_verify or reasoning_gym:<task>"
+    return f"unknown verifier {name!r}: use dapo_math, math_verify, code or reasoning_gym:<task>"
 
 
 def run_verifier(
@@ -49,4 +52,4 @@ def run_verifier(
     raise ValueError(check_name(name) or f"verifier {name!r} cannot run here")
 
 
-__all__ = ["INLINE", "POOLED", "Verdict", "check_name", "run_verifier"]
+__all__ = ["INLINE", "POOLED", "SANDBOXED", "Verdict", "check_name", "run_verifier"]
