@@ -23,8 +23,10 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, HTTPException, status
 from prometheus_client import CollectorRegistry
 
+from env_server import python_tool
 from env_server.base import Environment
 from env_server.builtins import BUILTIN
+from env_server.builtins.compute import Compute
 from env_server.metrics import EnvMetrics
 from env_server.openenv import OpenEnv, Unreachable
 from env_server.settings import EnvSettings
@@ -37,10 +39,12 @@ RETRY_AFTER = {"Retry-After": "1"}
 Runs = Annotated[None, Depends(require_role("env_token"))]  # the protocol's routes: the environment role's token
 
 
-def load_envs(classes: Sequence[str], openenv: Sequence[str] = ()) -> dict[str, Environment]:
-    """The built-ins, every `module:Class` given and every OpenEnv server; a bad entry stops the service with a
-    message."""
-    found: list[type[Environment]] = list(BUILTIN)
+def load_envs(
+    classes: Sequence[str], openenv: Sequence[str] = (), sandboxed: Sequence[type[Environment]] = ()
+) -> dict[str, Environment]:
+    """The built-ins (and those that need the sandbox, when there is one), every `module:Class` given and every
+    OpenEnv server; a bad entry stops the service with a message."""
+    found: list[type[Environment]] = [*BUILTIN, *sandboxed]
     for entry in classes:
         module, _, name = entry.partition(":")
         try:
@@ -197,7 +201,8 @@ class Service:
 def build_app(settings: EnvSettings) -> FastAPI:
     registry = CollectorRegistry()
     metrics = EnvMetrics(registry)
-    svc = Service(settings, load_envs(settings.env_classes, settings.openenv), metrics)
+    sandboxed = (Compute,) if python_tool.configure(settings) else ()  # the python tool's environments
+    svc = Service(settings, load_envs(settings.env_classes, settings.openenv, sandboxed), metrics)
     env_list = EnvList(envs=[env.spec() for env in svc.envs.values()])
 
     @contextlib.asynccontextmanager

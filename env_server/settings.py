@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import AnyHttpUrl, Field, SecretStr
 
 from services.settings import ServiceSettings
 
@@ -36,3 +36,12 @@ class EnvSettings(ServiceSettings):
         description="OpenEnv servers to serve as environments, as NAME=URL[?max_turns=N&timeout_s=S&action=FIELD&"
         "observation=FIELD] (env_server/openenv.py).",
     )
+    sandbox_url: AnyHttpUrl | None = Field(
+        None,
+        description="The sandbox service the `python` tool runs programs in; set, the `compute` environment is served.",
+    )
+    sandbox_token: SecretStr | None = Field(
+        None, description="The sandbox role's token, sent to the sandbox service. Unset: the auth token."
+    )
+    python_timeout_s: float = Field(10.0, gt=0, le=60, description="python tool: wall and CPU time of one program.")
+    python_output_chars: int = Field(2000, ge=100, description="python tool: characters of output in the tool message.")

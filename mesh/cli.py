@@ -33,7 +33,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mesh.commands import MODULES
+from mesh.commands import CODE, MODULES
 from mesh.config import DEFAULT_PRESET, TINY_NEEDS, MeshConfig, PresetError, load_preset, tiny_data
 from mesh.config import SERVICES as SECTIONS  # the preset's service sections (SERVICES below: the commands)
 from mesh.layout import RunLayout
@@ -380,7 +380,7 @@ def evaluate(
     model_dir = model or prepare_smollm2(RunLayout(RUN_DIR).smollm2)
     _not_an_adapter(model_dir)
     with contextlib.ExitStack() as stack:
-        client = _reward_client(stack, reward_url, reward_token)
+        client = _reward_client(stack, reward_url, reward_token, code=any(it.verifier == CODE for it in items))
         # built as a replica builds it: the same seed draws the same samples
         eng = load_engine(model_dir, engine, dtype=resolve_dtype(dtype))  # type: ignore[arg-type]
         episodes = _episode_runner(stack, items, env_url, env_token, eng.tokenizer, run)
@@ -397,14 +397,19 @@ def evaluate(
     console.print(_report_table(report, f"{model_dir.name}: {len(items)} held-out prompts × {k} samples", k))
 
 
-def _reward_client(stack: contextlib.ExitStack, url: str | None, token: str | None) -> Any:
-    """A client of the reward server at `url`, or of one started here (behind `token`, if any)."""
+def _reward_client(stack: contextlib.ExitStack, url: str | None, token: str | None, code: bool = False) -> Any:
+    """A client of the reward server at `url`, or of one started here (behind `token`, if any; with the sandbox
+    service its `code` verifier runs programs in when the items have code tasks)."""
     from rollout.reward_client import RewardClient
     from services.child_process import running
 
     if url is None:
         env = {"DAPO_AUTH_TOKEN": token} if token else {}
-        started = running("reward_server", "--workers", "1", ready_path="/readyz", env=env, token=token)
+        args = ["--workers", "1"]
+        if code:
+            sandbox, _ = stack.enter_context(running("sandbox", ready_path="/readyz", env=env, token=token))
+            args += ["--sandbox-url", sandbox]
+        started = running("reward_server", *args, ready_path="/readyz", env=env, token=token)
         url, _ = stack.enter_context(started)
     client = RewardClient(url, token=token)
     stack.callback(client.close)

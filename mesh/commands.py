@@ -27,7 +27,7 @@ from typing import Any, cast
 from mesh.config import MeshConfig, Service, to_flags
 from mesh.envs import EnvRoutes
 from mesh.layout import RunLayout
-from services.datasets import env_names
+from services.datasets import env_names, file_verifiers
 from services.redis_server import free_port
 
 MODULES = {
@@ -39,6 +39,8 @@ MODULES = {
     "router": "router",
     "sandbox": "sandbox",
 }
+CODE = "code"  # the verifier that needs the sandbox service (reward_server/verifiers/code.py)
+SANDBOXED_ENVS = {"compute"}  # the built-in environments whose tool runs in it (env_server/builtins/compute.py)
 SYNC_PORT = "sync"  # the learner's weight-sync rendezvous, in the ports mapping beside the services' HTTP ports
 
 
@@ -62,9 +64,16 @@ class ServiceCommand:
 
 
 def service_names(cfg: MeshConfig, routes: EnvRoutes | None = None) -> list[str]:
+    sandbox = ["sandbox"] if uses_code(cfg) else []  # before the reward server, which sends it the code items
     env = ["env"] if uses_envs(cfg, routes) else []
     router = ["router"] if cfg.gateway_port is not None else []  # ready once a replica's gateway is
-    return ["reward", *env, "buffer", "learner", *(f"rollout-{i}" for i in range(cfg.replicas)), *router]
+    return [*sandbox, "reward", *env, "buffer", "learner", *(f"rollout-{i}" for i in range(cfg.replicas)), *router]
+
+
+def uses_code(cfg: MeshConfig) -> bool:
+    """The mesh runs the sandbox service: a file part of the dataset names the code verifier (`file:t.jsonl@code`,
+    the reward server sends it the answers' programs), or an environment whose tool runs in it (`env:compute`)."""
+    return CODE in file_verifiers(cfg.dataset) or bool(SANDBOXED_ENVS & set(env_names(cfg.dataset)))
 
 
 def uses_envs(cfg: MeshConfig, routes: EnvRoutes | None = None) -> bool:
@@ -112,9 +121,11 @@ def service_values(
     broadcast = cfg.transport == "broadcast"
     cores = split_cores() if cfg.placement == "split" else None
     own_envs = uses_envs(cfg, routes)
+    sandbox_url = {"sandbox_url": f"http://127.0.0.1:{ports['sandbox']}"} if "sandbox" in ports else {}
     out: dict[str, dict[str, Any]] = {
-        "reward": {"port": ports["reward"], "workers": 1},
-        **({"env": {"port": ports["env"]}} if own_envs else {}),
+        "reward": {"port": ports["reward"], "workers": 1} | sandbox_url,
+        **({"sandbox": {"port": ports["sandbox"]}} if "sandbox" in ports else {}),
+        **({"env": {"port": ports["env"]} | sandbox_url} if own_envs else {}),
         "buffer": {
             "port": ports["buffer"],
             "run_dir": run.buffer,

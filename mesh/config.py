@@ -41,13 +41,14 @@ from learner.settings import LearnerSettings
 from reward_server.settings import RewardSettings
 from rollout.settings import RolloutSettings
 from router.settings import RouterSettings
+from sandbox.settings import SandboxSettings
 from services.child_process import ROOT
 from services.schemas import CLIENT_SCORED
 from services.settings import secret_fields
 
 DEFAULT_PRESET = ROOT / "configs" / "dapo.toml"  # what `dapo-mesh up` runs without --config
-Service = Literal["reward", "env", "buffer", "learner", "rollout", "router"]
-SERVICES: tuple[Service, ...] = ("reward", "env", "buffer", "learner", "rollout", "router")
+Service = Literal["reward", "env", "buffer", "learner", "rollout", "router", "sandbox"]
+SERVICES: tuple[Service, ...] = ("reward", "env", "buffer", "learner", "rollout", "router", "sandbox")
 
 
 # set on each section itself: pydantic merges model_config along the bases, and the service's class (a later base)
@@ -97,6 +98,10 @@ class RouterSection(_PresetSection, RouterSettings):
     model_config = _SECTION_CONFIG
 
 
+class SandboxSection(_PresetSection, SandboxSettings):
+    model_config = _SECTION_CONFIG
+
+
 SECTIONS: dict[Service, type[_PresetSection]] = {
     "reward": RewardSection,
     "env": EnvSection,
@@ -104,6 +109,7 @@ SECTIONS: dict[Service, type[_PresetSection]] = {
     "learner": LearnerSection,
     "rollout": RolloutSection,
     "router": RouterSection,
+    "sandbox": SandboxSection,
 }
 
 # What the mesh sets in each service, and from which [mesh] field (None: the mesh's wiring: ports, paths, URLs,
@@ -111,8 +117,8 @@ SECTIONS: dict[Service, type[_PresetSection]] = {
 # but a secret, which travels in the environment only.
 _WIRING: dict[str, str | None] = dict.fromkeys(["port", "host", "redis_url", "insecure", "run_dir", "model_dir"])
 _FROM_MESH: dict[Service, dict[str, str | None]] = {
-    "reward": {},
-    "env": {},
+    "reward": {"sandbox_url": None},
+    "env": {"sandbox_url": None},
     "buffer": {
         "dataset": "dataset",
         "n_samples": "n_samples",
@@ -151,6 +157,7 @@ _FROM_MESH: dict[Service, dict[str, str | None]] = {
         "eval_k": "eval_k",
     },
     "router": {},
+    "sandbox": {},
 }
 MESH_FIELD_OF: dict[Service, dict[str, str | None]] = {
     name: {k: v for k, v in (_WIRING | wants).items() if k in SECTIONS[name].model_fields}
@@ -271,6 +278,10 @@ class MeshConfig(BaseModel):
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Every rollout replica's settings.")
     router: RouterSection = Field(
         default_factory=RouterSection, description="The gateway's router's (started with gateway_port)."
+    )
+    sandbox: SandboxSection = Field(
+        default_factory=SandboxSection,
+        description="The sandbox service's (started when a file part of the dataset names the code verifier: @code).",
     )
 
     @model_validator(mode="before")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mesh.commands import allocate_ports, service_commands, service_values
+from mesh.commands import CODE, allocate_ports, service_commands, service_values, uses_code
 from mesh.config import MeshConfig, PresetError
 from mesh.envs import check_env_servers
 from mesh.layout import RunFile, RunLayout
@@ -45,6 +45,7 @@ JOBS = {
     "learner": "learner",
     "rollout": "rollout",
     "router": "router",
+    "sandbox": "sandbox",
 }
 
 
@@ -110,6 +111,11 @@ class Mesh:
         except (ValueError, OSError) as e:
             raise PresetError(f"dataset {self.cfg.dataset!r}: {e}") from None
         self.say(f"dataset: {source.name}, {len(source.train)} training prompts, {len(source.eval)} held out")
+        if any(it.verifier == CODE for it in source.train) and not uses_code(self.cfg):
+            raise PresetError(
+                f'dataset {self.cfg.dataset!r}: its rows say verifier "{CODE}": name it on the file part '
+                f"(file:PATH@{CODE}) so that the mesh starts the sandbox service the code verifier runs programs in"
+            )
         if any(it.verifier == CLIENT_SCORED for it in source.train):
             if self.cfg.gateway_port is None or not self.cfg.rollout.gateway_only:
                 raise PresetError(

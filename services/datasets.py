@@ -362,6 +362,12 @@ def check_spec(spec: str) -> list[str]:
     return verifiers
 
 
+def file_verifiers(spec: str) -> list[str]:
+    """The verifiers a dataset spec's file parts name (`file:PATH@VERIFIER`), in order."""
+    parts = (p.strip() for p in spec.split(";"))
+    return [v for p in parts if p.startswith("file:") and (v := _file_part(p)[1])]
+
+
 def env_names(spec: str) -> list[str]:
     """The environments a dataset spec's `env:NAME` parts name, in order."""
     return [_env_part(p)[0] for p in (p.strip() for p in spec.split(";")) if p.startswith("env:")]

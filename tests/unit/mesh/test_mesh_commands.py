@@ -225,3 +225,44 @@ def test_up_reads_the_data_before_it_starts_anything(tmp_path: Path) -> None:
     out = " ".join(r.output.split())
     assert r.exit_code == 2 and "row 0: no verifier" in out, out
     assert not (tmp_path / "run" / "redis").exists() and not RunLayout(tmp_path / "run").logs.exists()  # nothing ran
+
+
+def test_the_code_preset_starts_the_sandbox_and_points_the_reward_server_at_it(tmp_path: Path) -> None:
+    from sandbox.settings import SandboxSettings
+
+    cfg = MeshConfig.from_preset(CONFIGS / "code.toml", run_dir=tmp_path, sandbox={"workers": 3})
+    p = ports(cfg)
+    cmds = {c.name: c for c in service_commands(cfg, MODEL, URL, p)}
+    assert list(cmds) == ["sandbox", "reward", "buffer", "learner", "rollout-0"]  # the sandbox first: the reward
+    sandbox = load_settings(SandboxSettings, list(cmds["sandbox"].args))  # server sends it the answers
+    assert (sandbox.port, sandbox.workers) == (p["sandbox"], 3)
+    assert parsed(cmds["reward"]).sandbox_url is not None
+    assert str(parsed(cmds["reward"]).sandbox_url).rstrip("/") == f"http://127.0.0.1:{p['sandbox']}"
+    assert parsed(cmds["buffer"]).prompt_template == "none"
+    assert "sandbox" not in service_names(MeshConfig.from_preset(CONFIGS / "dapo.toml", run_dir=tmp_path))
+    with pytest.raises(PresetError, match="sandbox_url"):  # the mesh's wiring, not the preset's
+        MeshConfig.from_preset(CONFIGS / "code.toml", run_dir=tmp_path, reward={"sandbox_url": "http://x:1"})
+
+
+def test_up_refuses_code_rows_whose_file_part_does_not_name_the_code_verifier(tmp_path: Path) -> None:
+    rows = tmp_path / "code.jsonl"
+    truth = '{\\"asserts\\": [\\"assert f(1) == 2\\"]}'
+    lines = [
+        f'{{"prompt": "f{i}", "verifier": "code", "reward_model": {{"ground_truth": "{truth}"}}}}' for i in range(8)
+    ]
+    rows.write_text("\n".join(lines))
+    r = CliRunner().invoke(app, ["up", "--tiny", "--run-dir", str(tmp_path / "run"), "--set",
+                                 f"mesh.dataset=file:{rows}"])  # fmt: skip
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "file:PATH@code" in out, out
+
+
+def test_the_compute_environment_gets_the_sandbox_too(tmp_path: Path) -> None:
+    from env_server.settings import EnvSettings
+
+    cfg = MeshConfig.from_preset(CONFIGS / "agents-calculator.toml", run_dir=tmp_path, dataset="env:compute")
+    p = ports(cfg)
+    cmds = {c.name: c for c in service_commands(cfg, MODEL, URL, p)}
+    assert list(cmds)[:3] == ["sandbox", "reward", "env"]
+    env = load_settings(EnvSettings, list(cmds["env"].args))
+    assert str(env.sandbox_url).rstrip("/") == f"http://127.0.0.1:{p['sandbox']}"
