@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import AnyHttpUrl, Field, SecretStr
+from typing import Self
+
+from pydantic import AnyHttpUrl, Field, SecretStr, model_validator
 
 from services.settings import ServiceSettings
 
@@ -45,3 +47,12 @@ class EnvSettings(ServiceSettings):
     )
     python_timeout_s: float = Field(10.0, gt=0, le=60, description="python tool: wall and CPU time of one program.")
     python_output_chars: int = Field(2000, ge=100, description="python tool: characters of output in the tool message.")
+
+    @model_validator(mode="after")
+    def _tool_within_a_step(self) -> Self:
+        if self.python_timeout_s >= self.step_timeout_s:
+            raise ValueError(
+                f"python_timeout_s ({self.python_timeout_s}) must be below step_timeout_s ({self.step_timeout_s}): "
+                "a step runs its tool calls"
+            )
+        return self

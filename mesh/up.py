@@ -111,7 +111,7 @@ class Mesh:
         except (ValueError, OSError) as e:
             raise PresetError(f"dataset {self.cfg.dataset!r}: {e}") from None
         self.say(f"dataset: {source.name}, {len(source.train)} training prompts, {len(source.eval)} held out")
-        if any(it.verifier == CODE for it in source.train) and not uses_code(self.cfg):
+        if any(it.verifier == CODE for it in [*source.train, *source.eval]) and not uses_code(self.cfg):
             raise PresetError(
                 f'dataset {self.cfg.dataset!r}: its rows say verifier "{CODE}": name it on the file part '
                 f"(file:PATH@{CODE}) so that the mesh starts the sandbox service the code verifier runs programs in"

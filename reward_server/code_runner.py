@@ -15,6 +15,7 @@ import asyncio
 import logging
 
 import httpx
+from pydantic import ValidationError
 
 from reward_server.settings import RewardSettings
 from reward_server.verifiers.base import Verdict
@@ -36,6 +37,7 @@ class CodeRunner:
             headers=headers,
             timeout=httpx.Timeout(settings.code_answer_timeout_s + 5, connect=5),
         )
+        self.gate = asyncio.Semaphore(settings.code_concurrency)  # answers at the sandbox at once
 
     async def verify(self, response: str, ground_truth: str) -> Verdict:
         s = self.settings
@@ -52,8 +54,9 @@ class CodeRunner:
             "limits": {"wall_s": s.code_test_timeout_s, "cpu_s": s.code_test_timeout_s, "memory_mb": s.code_memory_mb},
         }
         try:
-            async with asyncio.timeout(s.code_answer_timeout_s):
-                r = await self.client.post("/v1/batch", json=body)
+            async with self.gate, asyncio.timeout(s.code_answer_timeout_s):
+                while (r := await self.client.post("/v1/batch", json=body)).status_code == 429:  # its queue is full
+                    await asyncio.sleep(_retry_after(r))
         except TimeoutError:
             return Verdict(-1.0, False, timed_out=True, error=f"over the {s.code_answer_timeout_s} s limit per answer")
         except httpx.HTTPError as e:
@@ -61,10 +64,20 @@ class CodeRunner:
             return Verdict(-1.0, False, error=f"sandbox unreachable: {type(e).__name__}")
         if r.status_code != 200:
             return Verdict(-1.0, False, error=f"sandbox answered {r.status_code}: {r.text[:200]}")
-        passed = judge(tests, program, BatchResult.model_validate_json(r.content).results)
+        try:
+            passed = judge(tests, program, BatchResult.model_validate_json(r.content).results)
+        except (ValidationError, ValueError) as e:
+            return Verdict(-1.0, False, error=f"the sandbox's answer does not read: {str(e)[:200]}")
         n, ok = len(passed), sum(passed)
         score = 2 * ok / n - 1 if s.code_reward == "fraction" else (1.0 if ok == n else -1.0)
         return Verdict(score, ok == n, pred=f"{ok}/{n} tests passed")
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def _retry_after(r: httpx.Response) -> float:
+    try:
+        return min(max(float(r.headers.get("Retry-After", "1")), 0.05), 10.0)
+    except ValueError:
+        return 1.0

@@ -43,6 +43,9 @@ class RewardSettings(ServiceSettings):
     )
     code_answer_timeout_s: float = Field(60.0, gt=0, le=600, description="code: time for all of one answer's tests.")
     code_memory_mb: int = Field(1024, ge=64, description="code: memory of each test's process.")
+    code_concurrency: int = Field(
+        4, ge=1, le=1024, description="code: answers whose tests are at the sandbox at once (the rest wait here)."
+    )
     code_reward: Literal["all", "fraction"] = Field(
         "all",
         description="code: +1 when every test passes and -1 otherwise (DAPO's rule), or 2*passed/tests-1 (fraction).",

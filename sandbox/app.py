@@ -19,7 +19,7 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, HTTPException, status
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from sandbox.jail import Jail, Limits, SandboxError, find_bwrap, find_python, self_check
+from sandbox.jail import Jail, Limits, SandboxError, find_bwrap, find_python, kill_uid, self_check
 from sandbox.settings import LIMITS, SandboxSettings
 from services.sandbox_api import VERDICTS, BatchRequest, BatchResult, ProgramSpec, RunRequest, RunResult
 from services.web import create_app, require_role
@@ -88,15 +88,27 @@ class Runner:
         self.free: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(settings.workers):
             self.free.put_nowait(slot)
-        self.waiting = 0
+        self.waiting = 0  # runs waiting for a worker now
+        self.admitted = 0  # runs of the requests in progress: waiting, running or done in an unfinished batch
 
     def admit(self, n: int) -> None:
-        if self.waiting + n > self.settings.queue + self.free.qsize():
+        """Reserve room for a request's `n` runs (waiting or running) before any of them starts, or refuse it: 413
+        when no wait would ever fit it, 429 when the workers and the queue are full now. `release` gives it back."""
+        room = self.settings.queue + self.settings.workers
+        if n > room:
+            raise HTTPException(
+                status.HTTP_413_CONTENT_TOO_LARGE, f"{n} runs in one request; this service holds {room} at most"
+            )
+        if self.admitted + n > room:
             raise HTTPException(
                 status.HTTP_429_TOO_MANY_REQUESTS,
-                f"{self.waiting} runs are waiting for {self.settings.workers} workers; retry later",
+                f"{self.admitted} runs are admitted for {self.settings.workers} workers; retry later",
                 headers=RETRY_AFTER,
             )
+        self.admitted += n
+
+    def release(self, n: int) -> None:
+        self.admitted -= n
 
     async def run(self, spec: ProgramSpec, stdin: str, limits: Limits) -> RunResult:
         self.waiting += 1
@@ -120,9 +132,12 @@ class Runner:
     def _run(self, slot: int, spec: ProgramSpec, stdin: str, limits: Limits) -> RunResult:
         try:
             return self.jail.run(slot, spec.source, stdin, spec.files, limits)
-        except (OSError, SandboxError) as e:  # bwrap or prlimit could not start: ours to fix, not the program's
+        except (OSError, SandboxError) as e:  # bwrap or setpriv could not start: ours to fix, not the program's
             log.error("a run failed to start: %s", e)
             raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"the sandbox could not start: {e}") from e
+        except Exception as e:  # a bug of ours a program found: said and logged, never a 500
+            log.exception("a run failed")
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"the sandbox failed: {type(e).__name__}") from e
 
     def close(self) -> None:
         self.threads.shutdown(wait=True, cancel_futures=True)
@@ -137,6 +152,9 @@ def build_app(settings: SandboxSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for slot in range(settings.workers):  # what a service killed before left of its workers' programs
+            if (uid := jail.uid(slot)) is not None:
+                kill_uid(uid)
         problem = await asyncio.to_thread(self_check, jail, settings.workers)
         if problem:  # a sandbox that cannot isolate must not serve: fail at start-up, before anything runs
             raise RuntimeError(problem)
@@ -161,7 +179,10 @@ def build_app(settings: SandboxSettings) -> FastAPI:
             limits = resolve_limits(spec, settings)
             runner = state["runner"]
             runner.admit(len(stdins))
-            results = await asyncio.gather(*(runner.run(spec, s, limits) for s in stdins))
+            try:
+                results = await asyncio.gather(*(runner.run(spec, s, limits) for s in stdins))
+            finally:  # also when the client went away and the runs not started yet were cancelled
+                runner.release(len(stdins))
         except HTTPException as e:
             metrics.requests.labels(route, str(e.status_code)).inc()
             raise

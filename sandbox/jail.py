@@ -39,7 +39,7 @@ CHUNK = 1 << 16
 SAMPLE_S = 0.005  # how often a running program's peak memory is read
 SANDBOX_UID = 65534  # the program's uid and gid inside its user namespace: nobody
 ISOLATION = (
-    "--unshare-all --unshare-user --die-with-parent --new-session --cap-drop ALL --clearenv "
+    "--unshare-all --unshare-user --disable-userns --die-with-parent --new-session --cap-drop ALL --clearenv "
     f"--uid {SANDBOX_UID} --gid {SANDBOX_UID} --hostname sandbox --as-pid-1 --proc /proc --dev /dev"
 ).split()
 ENVIRONMENT = (
@@ -108,10 +108,14 @@ class Jail:
         self.as_root = os.geteuid() == 0
         self.uid_base = uid_base
         self.on_leftover: Callable[[int], object] = lambda n: None  # processes a run left that the namespace did not
-        tmpfs = [
-            a for d in ("/tmp", "/work") for a in ("--size", str(self.tmpfs_bytes), "--perms", "1777", "--tmpfs", d)
+        tmpfs = [  # every writable place bounded: /dev's own tmpfs is half the host's memory, so /dev/shm gets one
+            a
+            for d in ("/tmp", "/work", "/dev/shm")
+            for a in ("--size", str(self.tmpfs_bytes), "--perms", "1777", "--tmpfs", d)
         ]
-        self._fixed = [bwrap, *ISOLATION, *_root_binds(python), *tmpfs, *ENVIRONMENT, "--remount-ro", "/"]
+        readonly = ["--remount-ro", "/dev", "--remount-ro", "/"]
+        self._fixed = [bwrap, *ISOLATION, *_root_binds(python), *tmpfs, *ENVIRONMENT, *readonly]
+        self.prlimit = shutil.which("prlimit", path="/usr/bin:/usr/sbin") or "/usr/bin/prlimit"  # seen inside
 
     def uid(self, slot: int) -> int | None:
         """The uid a worker slot's programs run as (as root); None: the service's own."""
@@ -122,7 +126,7 @@ class Jail:
             info_r, info_w = os.pipe()  # bwrap writes the program's pid there: a limit kills the program itself
             stack.callback(os.close, info_r)
             fds = [info_w]
-            argv = [*self._prlimit(limits), *self._fixed, "--info-fd", str(info_w)]
+            argv = [*self._outside(slot), *self._fixed, "--info-fd", str(info_w)]
             for name, text in {"main.py": source, **files}.items():
                 fd = os.memfd_create("sandbox-file")  # written into /work by bwrap: nothing on the host's disk
                 stack.callback(os.close, fd)
@@ -130,19 +134,29 @@ class Jail:
                 os.lseek(fd, 0, os.SEEK_SET)
                 fds.append(fd)
                 argv += _parents(name) + ["--perms", "0666", "--file", str(fd), f"/work/{name}"]
-            argv += ["--chdir", "/work", self.python, "-E", "-s", "main.py"]  # not -I: main.py imports its files
+            argv += ["--chdir", "/work", *self._prlimit(limits), self.python, "-s", "main.py"]  # not -I: main.py
+            # imports its files
             try:
                 return self._start(argv, fds, info_r, slot, stdin.encode(), limits)
             finally:
                 if info_w in fds:
                     os.close(info_w)
 
+    def _outside(self, slot: int) -> list[str]:
+        """What starts bwrap: setpriv, which kills it when the worker thread that started it goes (the service
+        killed: its sandboxes go too) and, as root, runs it as the worker's uid (so the service can vfork)."""
+        uid = self.uid(slot)
+        ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
+        return ["setpriv", *ids, "--pdeathsig", "KILL", "--"]
+
     def _prlimit(self, limits: Limits) -> list[str]:
-        # whole seconds; at the limit the kernel sends SIGKILL (the program is its namespace's PID 1, which ignores
-        # SIGXCPU), and the measured time decides the verdict
+        """The limits, set inside the namespace right before the program (bwrap itself copies the files in unbound):
+        RLIMIT_NPROC counts the processes of the namespace's own uid there, whatever else runs as the service's
+        uid. CPU in whole seconds: at the limit the kernel sends SIGKILL (the program is its namespace's PID 1,
+        which ignores SIGXCPU), and the measured time decides the verdict."""
         cpu = max(1, math.ceil(limits.cpu_s))
         return (
-            f"prlimit --cpu={cpu}:{cpu} --as={limits.memory_mb << 20} --nproc={limits.processes} "
+            f"{self.prlimit} --cpu={cpu}:{cpu} --as={limits.memory_mb << 20} --nproc={limits.processes} "
             f"--nofile={limits.open_files} --fsize={limits.file_size_mb << 20} --core=0 --"
         ).split()
 
@@ -157,9 +171,6 @@ class Jail:
             pass_fds=fds,
             env={},
             process_group=0,
-            user=uid,
-            group=uid,
-            extra_groups=[] if uid is not None else None,
         )
         os.close(fds.pop(0))  # our copy of the info pipe's write end: bwrap holds its own
         watch = _Watch(proc, info, stdin, limits.output_bytes, t0 + limits.wall_s)
@@ -212,11 +223,11 @@ def _stop(bwrap_pid: int, child_fd: int | None, stopped: bool) -> None:
 def _exit(returncode: int) -> tuple[int | None, signal.Signals | None]:
     """(exit status, signal) of the program. bwrap exits with 128 + N when its program died of signal N (as shells
     report it), and is itself killed when the wall limit strikes: a status above 128 naming a signal reads as one."""
-    if returncode < 0:
-        return None, signal.Signals(-returncode)
-    if returncode > 128 and returncode - 128 in signal.valid_signals():
-        return None, signal.Signals(returncode - 128)
-    return returncode, None
+    n = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
+    try:
+        return None, signal.Signals(n)
+    except ValueError:  # no signal of that number (a real-time one, a plain exit status above 128)
+        return (returncode if returncode >= 0 else None), None
 
 
 def _verdict(

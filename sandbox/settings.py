@@ -31,7 +31,8 @@ class SandboxSettings(ServiceSettings):
     )
     uid_base: int = Field(
         60000,
-        ge=1,
+        ge=10000,
+        le=65000,
         description="Run as root, worker i runs its programs as uid uid_base + i (a process limit per worker; "
         "no program shares a uid with the service). Run as another user, programs run as that user.",
     )
@@ -54,6 +55,12 @@ class SandboxSettings(ServiceSettings):
     max_file_size_mb: int = Field(256, ge=0, description="The largest file-size limit a run may ask.")
     output_bytes: int = Field(1 << 20, ge=0, description="Bytes of stdout and of stderr kept when a run gives none.")
     max_output_bytes: int = Field(16 << 20, ge=0, description="The largest output limit a run may ask.")
+
+    @model_validator(mode="after")
+    def _uids_below_nobody(self) -> Self:
+        if self.uid_base + self.workers > 65534:  # the workers' uids are swept after each run: never nobody's
+            raise ValueError(f"uid_base + workers ({self.uid_base + self.workers}) reaches 65534 (nobody)")
+        return self
 
     @model_validator(mode="after")
     def _defaults_within_maxima(self) -> Self:

@@ -27,7 +27,7 @@ class RunLimits(BaseModel):
     """A run's limits; each one unset takes the service's default, and one above the service's maximum is a 422."""
 
     model_config = ConfigDict(extra="forbid")
-    wall_s: float | None = Field(None, gt=0, description="Wall-clock time, from start to the last output.")
+    wall_s: float | None = Field(None, gt=0, description="Wall-clock time, from its start to its end.")
     cpu_s: float | None = Field(None, gt=0, description="CPU time of all its processes together.")
     memory_mb: int | None = Field(None, ge=16, description="Address space of each process (RLIMIT_AS).")
     processes: int | None = Field(None, ge=1, description="Processes and threads alive at once.")
@@ -77,14 +77,16 @@ class BatchRequest(ProgramSpec):
 
 class RunResult(BaseModel):
     verdict: Verdict
-    exit_code: int | None = Field(description="Its exit status; None when a signal ended it.")
+    exit_code: int | None = Field(
+        description="Its exit status; None when a signal ended it (a status of 128 + N reads as signal N)."
+    )
     signal: str | None = Field(None, description="The signal that ended it (SIGKILL, SIGXCPU, ...), if one did.")
     stdout: str = Field(description="Its stdout (UTF-8, undecodable bytes replaced), at most output_bytes.")
     stderr: str = Field(description="Its stderr, at most output_bytes.")
     truncated: bool = Field(False, description="stdout or stderr was cut at output_bytes.")
     wall_s: float = Field(description="Wall-clock time.")
-    cpu_s: float = Field(description="CPU time of all its processes (user + system).")
-    peak_memory_mb: float = Field(description="Largest resident set of any of its processes.")
+    cpu_s: float = Field(description="CPU time (user + system) of its main process and the children it waited for.")
+    peak_memory_mb: float = Field(description="Largest resident set of its main process, sampled every 5 ms.")
 
 
 class BatchResult(BaseModel):

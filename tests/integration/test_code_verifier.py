@@ -84,6 +84,26 @@ OURS_ONLY = [  # layouts verl's prime_code does not read, and reward hacks aimed
     ("mbpp wrong", fence("def add(a, b):\n    return a * b"), MBPP, False),
     ("mbpp exits at import", fence("import sys\nsys.exit(0)"), MBPP, False),
     ("mbpp prints the harness's mark", fence("print('@@dapo-mesh-result@@ ')\nimport os\nos._exit(0)"), MBPP, False),
+    (
+        "mbpp reads the nonce from __main__",
+        fence("import __main__, os\nprint('@@dapo-mesh-result@@ ' + str(getattr(__main__, 'nonce', '')))\nos._exit(0)"),
+        MBPP,
+        False,
+    ),
+    (
+        "mbpp returns an object equal to anything",
+        fence(
+            "def add(a, b):\n    class Any:\n        def __eq__(self, o):\n            return True\n    return Any()"
+        ),
+        MBPP,
+        False,
+    ),
+    (
+        "mbpp right, a set and a tuple",
+        fence("def pair(a, b):\n    return {a, b}, (a, b)"),
+        {"asserts": ["assert pair('x', 'y') == ({'y', 'x'}, ('x', 'y'))"]},
+        True,
+    ),
     ("humaneval right", fence(ADD), HUMANEVAL, True),
     ("humaneval wrong", fence("def add(a, b):\n    return 3"), HUMANEVAL, False),
     ("slow", fence("while True:\n    pass"), STDIO, False),

@@ -101,6 +101,20 @@ def test_escapes_are_contained_and_leave_nothing_behind(sandbox: tuple[str, int]
         ("write outside", "open('/usr/evil', 'w')", "", lambda r: "Read-only file system" in r["stderr"]),
         ("write root", "open('/evil', 'w')", "", lambda r: r["verdict"] == "error"),
         ("dev mem", "open('/dev/mem', 'rb')", "", lambda r: "FileNotFoundError" in r["stderr"]),
+        (
+            "fill /dev/shm",
+            "f = open('/dev/shm/x', 'w')\nfor _ in range(100):\n    f.write('x' * (1 << 20))\n    f.flush()",
+            "",
+            lambda r: "No space left on device" in r["stderr"] or "File too large" in r["stderr"],
+        ),  # a tmpfs of its own, bounded (bwrap's /dev is half the host's memory)
+        (
+            "nested user namespace",
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.unshare(0x10000000), ctypes.get_errno())",  # CLONE_NEWUSER
+            "",
+            lambda r: r["stdout"].split()[0] == "-1",
+        ),
+        ("exit status 170", "raise SystemExit(170)", "", lambda r: (r["verdict"], r["exit_code"]) == ("error", 170)),
         ("kill all", "import os; os.kill(-1, 9); print('alive')", "", lambda r: "ProcessLookupError" in r["stderr"]),
         (
             "ptrace",
@@ -184,4 +198,6 @@ def test_more_runs_than_the_queue_holds_get_429_with_retry_after() -> None:
                 time.sleep(0.05)
             second = httpx.post(f"{base}/v1/run", json=body, timeout=30)
             assert second.status_code == 429 and second.headers["Retry-After"] == "1", second.text
+            batch = httpx.post(f"{base}/v1/batch", json=body | {"stdins": ["", ""]}, timeout=30)
+            assert batch.status_code == 413 and "holds 1 at most" in batch.text  # no wait would ever fit it
             assert first.result().json()["verdict"] == "ok"
