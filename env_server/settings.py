@@ -50,7 +50,7 @@ class EnvSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _tool_within_a_step(self) -> Self:
-        if self.python_timeout_s >= self.step_timeout_s:
+        if self.sandbox_url is not None and self.python_timeout_s >= self.step_timeout_s:
             raise ValueError(
                 f"python_timeout_s ({self.python_timeout_s}) must be below step_timeout_s ({self.step_timeout_s}): "
                 "a step runs its tool calls"

