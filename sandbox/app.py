@@ -119,15 +119,19 @@ class Runner:
             self.waiting -= 1
             self.metrics.queued.dec()
         self.metrics.running.inc()
-        try:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self.threads, self._run, slot, spec, stdin, limits)
-        finally:
-            self.metrics.running.dec()
-            self.free.put_nowait(slot)
+        loop = asyncio.get_running_loop()
+        job = self.threads.submit(self._run, slot, spec, stdin, limits)
+        # the slot (and its uid) comes back when the program has ended, not when this request does: a request
+        # cancelled mid-run (its client gone) must not hand the uid to a run its after-run sweep would kill
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done, slot))
+        result = await asyncio.wrap_future(job)
         self.metrics.runs.labels(result.verdict).inc()
         self.metrics.run_seconds.observe(result.wall_s)
         return result
+
+    def _done(self, slot: int) -> None:
+        self.metrics.running.dec()
+        self.free.put_nowait(slot)
 
     def _run(self, slot: int, spec: ProgramSpec, stdin: str, limits: Limits) -> RunResult:
         try:
