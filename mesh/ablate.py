@@ -9,7 +9,8 @@ again: an interrupted ablation resumes where it stopped. From each run's held-ou
 the final and the best avg@k. Per preset: the mean and the sample standard deviation over the seeds; then the
 difference of the first preset's mean final avg@k from each other preset's, with its standard error
 sqrt(s1²/n1 + s2²/n2) (Welch). Written to RUN_DIR/ablate.json and RUN_DIR/ablate.md as well as printed, and the
-held-out curves of every run with each preset's mean to RUN_DIR/ablate.png.
+held-out curves of every run with each preset's mean to RUN_DIR/ablate.png; and `dapo-mesh compare` of the runs
+(mesh/compare.py: the arms' standard errors, wall time, time to gain) to RUN_DIR/compare.md and compare.png.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mesh.compare import DEFAULT_GAIN, compare, eval_rows, finite, metric_rows, sample_std, welch
 from mesh.config import MeshConfig
 from mesh.curves import Curve, plot_ablation
 from mesh.layout import RunLayout
@@ -49,23 +51,9 @@ class Waste:
     later_generated_per_trained: float
 
 
-def _finite(*xs: Any) -> bool:
-    return all(isinstance(x, int | float) and math.isfinite(x) for x in xs)
-
-
-def metric_rows(path: Path) -> list[dict[str, Any]]:
-    """A run's metrics.jsonl (or a copy of one, as the docs keep), a dict per line; [] without the file."""
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def eval_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The held-out evaluations (rows of kind "eval"), in policy-version order."""
-    return sorted((r for r in rows if r.get("kind") == "eval"), key=lambda r: r["policy_version"])
-
-
 def step_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The learner steps' rows that carry the buffer's cumulative group counts."""
-    return [r for r in rows if r.get("kind") != "eval" and _finite(r.get("groups_received"), r.get("groups_kept"))]
+    return [r for r in rows if r.get("kind") != "eval" and finite(r.get("groups_received"), r.get("groups_kept"))]
 
 
 def dropped_since(steps: list[dict[str, Any]], since: dict[str, Any] | None = None) -> tuple[float, float]:
@@ -115,10 +103,6 @@ def _evals(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
     return [(r["policy_version"], r) for r in eval_rows(metric_rows(RunLayout(run_dir).metrics))]
 
 
-def _std(xs: list[float]) -> float:
-    return statistics.stdev(xs) if len(xs) > 1 else math.nan
-
-
 def summarize(results: list[RunResult]) -> tuple[list[PresetSummary], list[Difference]]:
     order = list(dict.fromkeys(r.preset for r in results))
     by = {p: [r for r in results if r.preset == p] for p in order}
@@ -127,18 +111,14 @@ def summarize(results: list[RunResult]) -> tuple[list[PresetSummary], list[Diffe
             p,
             [r.seed for r in rs],
             statistics.fmean(r.final for r in rs),
-            _std([r.final for r in rs]),
+            sample_std([r.final for r in rs]),
             statistics.fmean(r.best for r in rs),
-            _std([r.best for r in rs]),
+            sample_std([r.best for r in rs]),
         )
         for p, rs in by.items()
     ]
-    first = rows[0]
-    diffs = []
-    for row in rows[1:]:
-        n1, n2 = len(first.seeds), len(row.seeds)
-        stderr = math.sqrt(first.final_std**2 / n1 + row.final_std**2 / n2) if n1 > 1 and n2 > 1 else math.nan
-        diffs.append(Difference(row.preset, first.final_mean - row.final_mean, stderr))
+    first = [r.final for r in by[order[0]]]
+    diffs = [Difference(p, *welch(first, [r.final for r in by[p]])) for p in order[1:]]
     return rows, diffs
 
 
@@ -199,6 +179,7 @@ def ablate(
     (root / "ablate.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     (root / "ablate.md").write_text(markdown(results) + "\n")
     draw(root, presets, seeds)
+    compare([run_dir_of(root, p, s) for p in presets for s in seeds], root, DEFAULT_GAIN)
     return results
 
 

@@ -60,6 +60,8 @@ def test_ablate_runs_what_is_missing_and_resumes(tmp_path: Path) -> None:
     assert (tmp_path / "ablate.md").read_text().startswith("| preset | seed |")
     assert (tmp_path / "ablate.png").stat().st_size > 10_000  # every run's held-out curve, each preset's mean
     assert len(json.loads((tmp_path / "ablate.json").read_text())) == 4
+    compared = (tmp_path / "compare.md").read_text()  # and `dapo-mesh compare` of the four runs
+    assert "| seeds | 1, 2 | 1, 2 |" in compared and (tmp_path / "compare.png").stat().st_size > 10_000
 
 
 def test_seeded_sampling_is_repeatable_per_call() -> None:

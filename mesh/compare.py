@@ -1,0 +1,324 @@
+"""`dapo-mesh compare RUN_DIR...`: runs side by side, grouped into arms, with their spread over seeds.
+
+    dapo-mesh compare .dapo/ablate/dapo-seed* .dapo/ablate/grpo-seed* [--out DIR] [--gain 0.2] [--json]
+    compare([Path("a-seed1"), Path("a-seed2"), Path("b-seed1")], out=Path("cmp"), gain=0.2)  # -> Comparison
+
+A run is a run directory of `dapo-mesh up` (its metrics.jsonl; config.json and cpu.json when it has them) or a copy
+of a metrics.jsonl named NAME.metrics.jsonl, as the docs keep them. Runs whose configs are equal but for `seed` and
+`run_dir` form an arm; a run without config.json (made before the mesh wrote one) is grouped by its directory's name
+less a trailing "-seed<N>", which also gives its seed. Per arm: the final and best held-out avg@k and the final
+pass@k, each as mean ± standard error over the seeds (std/√n), the mean wall time, the minutes until held-out avg@k
+first stood `gain` above the run's first evaluation, the versions trained, and the difference of the arm's final
+mean from the first arm's with Welch's standard error √(s1²/n1 + s2²/n2). The config keys whose values differ
+between arms head the table. Written, with `out`, to OUT/compare.md, OUT/compare.json and OUT/compare.png (the
+held-out curves by version and by wall-clock minutes, the batch reward by step: a colour per arm).
+
+Time. A run's wall time is cpu.json's `wall_s` (written when the mesh stops); without it, the span of its
+evaluations' `eval_at` stamps; else unknown (train rows carry no timestamp: their `seconds` is the learner's compute
+for that step, not the wall time). An evaluation's minutes since the run's start come from `eval_at`, counted from
+when the first evaluation began (its `eval_at` less its `eval_seconds`: the mesh is up then). Runs recorded before
+eval rows carried `eval_at` are placed by the learner's cumulative `seconds` + `sync_seconds` up to that version,
+stretched so the run's last step ends at its wall time (an estimate: the rest of the wall time, rollouts the learner
+waited for and evaluations, spread evenly); with no wall time either, unstretched (a lower bound). `Run.clock` says
+which.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mesh.compare_report import draw, markdown
+from mesh.layout import RunLayout
+
+IGNORED = ("seed", "run_dir")  # what may differ between the runs of one arm
+DEFAULT_GAIN = 0.20  # held-out avg@k points over the first evaluation that "time to gain" waits for
+_SEED = re.compile(r"^(?P<name>.+)-seed(?P<seed>\d+)$")
+
+
+class NotARun(ValueError):
+    """A path that holds no metrics.jsonl."""
+
+
+def metric_rows(path: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl (or a copy of one, as the docs keep), a dict per line; [] without the file."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def eval_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The held-out evaluations (rows of kind "eval"), in policy-version order."""
+    return sorted((r for r in rows if r.get("kind") == "eval"), key=lambda r: r["policy_version"])
+
+
+def finite(*xs: Any) -> bool:
+    return all(isinstance(x, int | float) and math.isfinite(x) for x in xs)
+
+
+def sample_std(xs: list[float]) -> float:
+    """The sample standard deviation (n − 1); NaN for fewer than two."""
+    return statistics.stdev(xs) if len(xs) > 1 else math.nan
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """(mean, standard error std/√n) of the finite values; NaN where there are too few."""
+    xs = [x for x in xs if finite(x)]
+    if not xs:
+        return math.nan, math.nan
+    return statistics.fmean(xs), sample_std(xs) / math.sqrt(len(xs))
+
+
+def welch(a: list[float], b: list[float]) -> tuple[float, float]:
+    """(mean(a) − mean(b), its standard error √(s_a²/n_a + s_b²/n_b)): Welch's, NaN with fewer than two of either."""
+    a, b = [x for x in a if finite(x)], [x for x in b if finite(x)]
+    if not a or not b:
+        return math.nan, math.nan
+    se = math.sqrt(sample_std(a) ** 2 / len(a) + sample_std(b) ** 2 / len(b))
+    return statistics.fmean(a) - statistics.fmean(b), se
+
+
+@dataclass(frozen=True)
+class Eval:
+    version: int
+    minutes: float  # since the run's start (Run.clock says how it was found)
+    acc: float  # held-out avg@k
+    pass_at_k: float
+
+
+@dataclass(frozen=True)
+class Run:
+    path: Path
+    name: str  # the directory's (or the metrics copy's) name less "-seed<N>"
+    seed: int | None
+    preset: str | None  # the preset's stem, from config.json
+    config: dict[str, Any] | None  # flattened (learner.clip_high); None: no config.json
+    evals: list[Eval]
+    rewards: list[tuple[int, float]]  # (step, batch reward_mean)
+    versions: int  # the newest policy version trained
+    wall_s: float | None
+    clock: str  # how the evaluations' minutes were found: "eval_at", "scaled" or "learner" (the docstring above)
+    k: int | None  # the evaluations' k
+
+    @property
+    def final(self) -> float:
+        return self.evals[-1].acc if self.evals else math.nan
+
+    @property
+    def best(self) -> float:
+        return max(e.acc for e in self.evals) if self.evals else math.nan
+
+    def minutes_to(self, gain: float) -> float | None:
+        """Minutes until held-out avg@k first stood `gain` over the first evaluation's; None if it never did."""
+        hit = (e.minutes for e in self.evals if e.acc - self.evals[0].acc >= gain - 1e-9)  # in floats 0.29 - 0.09 < 0.2
+        return next(hit, None)
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"learner": {"clip_high": 0.28}} -> {"learner.clip_high": 0.28}; lists stay values."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def read(path: Path) -> Run:
+    """One run: a run directory or a NAME.metrics.jsonl copy. NotARun without metrics."""
+    if path.is_file() and path.name.endswith("metrics.jsonl"):
+        metrics, stem = path, path.name.removesuffix("metrics.jsonl").rstrip(".") or path.parent.name
+        saved: dict[str, Any] = {}
+        wall = None
+    else:
+        layout = RunLayout(path)
+        metrics, stem = layout.metrics, path.resolve().name
+        if not metrics.exists():
+            raise NotARun(f"{path} is not a run: it has no metrics.jsonl")
+        config_file, cpu = layout.config, layout.cpu
+        saved = json.loads(config_file.read_text()) if config_file.exists() else {}
+        wall = json.loads(cpu.read_text()).get("wall_s") if cpu.exists() else None
+    rows = metric_rows(metrics)
+    match = _SEED.match(stem)
+    config = flatten(saved["config"]) if isinstance(saved.get("config"), dict) else None
+    seed = config.get("seed") if config else None
+    if seed is None and match:
+        seed = int(match["seed"])
+    evals = eval_rows(rows)
+    train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r["step"])
+    minutes, clock, wall = _clock(evals, train, wall if finite(wall) else None)
+    return Run(
+        path=path,
+        name=match["name"] if match else stem,
+        seed=seed,
+        preset=Path(saved["preset"]).stem if saved.get("preset") else None,
+        config=config,
+        evals=[
+            Eval(r["policy_version"], m, r["eval_acc"], r.get("eval_pass_at_k", math.nan))
+            for r, m in zip(evals, minutes, strict=True)
+        ],
+        rewards=[(r["step"], r["reward_mean"]) for r in train if finite(r.get("reward_mean"))],
+        versions=max((r["policy_version"] for r in train), default=0),
+        wall_s=wall,
+        clock=clock,
+        k=evals[-1].get("eval_k") if evals else None,
+    )
+
+
+def _clock(
+    evals: list[dict[str, Any]], train: list[dict[str, Any]], wall: float | None
+) -> tuple[list[float], str, float | None]:
+    """(minutes since the start of each evaluation, the clock's key, the wall time): see the module's docstring."""
+    if evals and all(finite(r.get("eval_at")) for r in evals):
+        first = min(evals, key=lambda r: r["eval_at"])
+        start = first["eval_at"] - first.get("eval_seconds", 0.0)
+        wall = wall if wall is not None else max(r["eval_at"] for r in evals) - start
+        return [(r["eval_at"] - start) / 60 for r in evals], "eval_at", wall
+    spent = [(r["policy_version"], r.get("seconds", 0.0) + r.get("sync_seconds", 0.0)) for r in train]
+    total = sum(s for _, s in spent)
+    stretch = wall / total if wall is not None and total > 0 else 1.0
+    minutes = [sum(s for v, s in spent if v <= r["policy_version"]) * stretch / 60 for r in evals]
+    return minutes, "scaled" if wall is not None and total > 0 else "learner", wall
+
+
+@dataclass(frozen=True)
+class Arm:
+    label: str
+    runs: list[Run]
+    final: tuple[float, float]  # (mean, standard error) over the seeds
+    best: tuple[float, float]
+    pass_at_k: tuple[float, float]
+    wall_min: float | None  # the mean over the runs whose wall time is known
+    to_gain_min: float | None  # the mean over the runs that got there
+    reached: int  # runs that got there
+    versions: tuple[int, int]  # (fewest, most) versions trained
+    diff: tuple[float, float] | None  # final mean − the first arm's, Welch's standard error; None: the first arm
+
+    @property
+    def seeds(self) -> list[int | None]:
+        return [r.seed for r in self.runs]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    gain: float
+    k: int | None  # the avg@k's k, when every run shares it
+    arms: list[Arm]
+    differs: dict[str, list[Any]] = field(default_factory=dict)  # key -> each arm's value (UNKNOWN, ABSENT)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (NaN as null), the runs without their curves."""
+        data = {
+            "gain": self.gain,
+            "k": self.k,
+            "differs": self.differs,
+            "arms": [
+                {f: getattr(a, f) for f in Arm.__dataclass_fields__ if f not in ("runs", *STATS)}
+                | {f: _stat(getattr(a, f)) for f in STATS}
+                | {"seeds": a.seeds, "runs": [_run_json(r, self.gain) for r in a.runs]}
+                for a in self.arms
+            ],
+        }
+        return _plain(data)
+
+
+UNKNOWN, ABSENT = "?", "(absent)"  # "what differs" for an arm without config.json / without that key
+STATS = ("final", "best", "pass_at_k", "diff")  # Arm's (mean or difference, standard error) pairs
+
+
+def _stat(pair: tuple[float, float] | None) -> dict[str, float] | None:
+    return None if pair is None else {"mean": pair[0], "se": pair[1]}
+
+
+def _run_json(r: Run, gain: float) -> dict[str, Any]:
+    keep = ("path", "seed", "preset", "versions", "wall_s", "clock", "k")
+    return {f: getattr(r, f) for f in keep} | {
+        "final": r.final,
+        "best": r.best,
+        "final_pass_at_k": r.evals[-1].pass_at_k if r.evals else math.nan,
+        "minutes_to_gain": r.minutes_to(gain),
+        "evals": [asdict(e) for e in r.evals],
+    }
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x) if isinstance(x, Path) else x
+
+
+def group(runs: list[Run]) -> tuple[list[tuple[str, list[Run]]], dict[str, list[Any]]]:
+    """Runs -> labelled arms (in the order their first run was given) and the config keys that differ between
+    arms with each arm's value."""
+    arms: dict[str, list[Run]] = {}
+    for r in runs:
+        same = {k: v for k, v in r.config.items() if k not in IGNORED} if r.config is not None else None
+        key = json.dumps(same, sort_keys=True, default=str) if same is not None else f"name:{r.name}"
+        arms.setdefault(key, []).append(r)
+    groups = list(arms.values())
+    configs = [g[0].config for g in groups]
+    known = [c for c in configs if c is not None]
+    keys = sorted({k for c in known for k in c} - set(IGNORED))
+    differs = {
+        k: [UNKNOWN if c is None else c.get(k, ABSENT) for c in configs]
+        for k in keys
+        if len({json.dumps(c.get(k, ABSENT), sort_keys=True, default=str) for c in known}) > 1
+    }
+    described = [", ".join(f"{k}={_show(v[i])}" for k, v in list(differs.items())[:2]) for i in range(len(groups))]
+    more = f", +{len(differs) - 2} more" if len(differs) > 2 else ""
+    labels = []
+    for g, desc in zip(groups, described, strict=True):
+        presets = {r.preset for r in g}
+        preset = presets.pop() if len(presets) == 1 else None
+        labels.append(preset or (desc + more if desc and g[0].config is not None else g[0].name))
+    twice = {label for label in labels if labels.count(label) > 1}  # one preset, arms a --set apart: say which
+    labels = [
+        (f"{label} ({described[i]}{more})" if described[i] else f"{label} #{i + 1}") if label in twice else label
+        for i, label in enumerate(labels)
+    ]
+    return list(zip(labels, groups, strict=True)), differs
+
+
+def _show(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def summarize(label: str, runs: list[Run], gain: float, first: list[Run] | None) -> Arm:
+    reached = [m for r in runs if (m := r.minutes_to(gain)) is not None]
+    walls = [r.wall_s / 60 for r in runs if r.wall_s is not None]
+    return Arm(
+        label=label,
+        runs=runs,
+        final=mean_se([r.final for r in runs]),
+        best=mean_se([r.best for r in runs]),
+        pass_at_k=mean_se([r.evals[-1].pass_at_k if r.evals else math.nan for r in runs]),
+        wall_min=statistics.fmean(walls) if walls else None,
+        to_gain_min=statistics.fmean(reached) if reached else None,
+        reached=len(reached),
+        versions=(min(r.versions for r in runs), max(r.versions for r in runs)),
+        diff=welch([r.final for r in runs], [r.final for r in first]) if first is not None else None,
+    )
+
+
+def compare(run_dirs: list[Path], out: Path | None, gain: float = DEFAULT_GAIN) -> Comparison:
+    """Read, group and summarize the runs; with `out`, write compare.md, compare.json and compare.png there."""
+    runs = [read(p) for p in run_dirs]
+    groups, differs = group(runs)
+    first = groups[0][1] if groups else None
+    arms = [summarize(label, rs, gain, None if rs is first else first) for label, rs in groups]
+    ks = {r.k for r in runs}
+    result = Comparison(gain, ks.pop() if len(ks) == 1 else None, arms, differs)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.md").write_text(markdown(result) + "\n")
+        (out / "compare.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        draw(result, out / "compare.png")
+    return result

@@ -1,0 +1,170 @@
+"""`dapo-mesh compare`: runs grouped into arms by their config.json (seed and run_dir aside), the arms' means and
+standard errors, Welch's difference, wall time and time to gain, the keys that differ; runs made before config.json;
+the checked-in DAPO-vs-GRPO runs give ablate.json's numbers; the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mesh.compare import NotARun, compare, flatten
+
+DOCS = Path(__file__).resolve().parents[3] / "docs"
+CONFIGS = DOCS.parent / "configs"
+START = 1_000.0  # unix time the synthetic runs start
+
+
+def write_run(
+    run_dir: Path,
+    evals: list[tuple[int, float, float]],  # (version, avg@k, pass@k), every 2 versions: 10 minutes apart
+    *,
+    config: dict[str, Any] | None = None,
+    preset: str | None = "configs/dapo.toml",
+    wall_s: float | None = None,
+    stamped: bool = True,
+) -> Path:
+    """A run as the mesh writes it: metrics.jsonl (train rows, eval rows stamped with eval_at unless not
+    `stamped`), config.json when `config`, cpu.json when `wall_s`."""
+    run_dir.mkdir(parents=True)
+    rows: list[dict[str, Any]] = [
+        {"kind": "train", "step": v, "policy_version": v, "reward_mean": v / 10, "seconds": 10.0} for v in (1, 2, 3, 4)
+    ]
+    for v, acc, pass_k in evals:  # the first evaluation takes 60 s from the start; then one every 10 minutes
+        stamp = {"eval_at": START + 60 + v * 300 - (60 if v else 0)} if stamped else {}
+        rows.append({"kind": "eval", "step": v, "policy_version": v, "eval_acc": acc, "eval_pass_at_k": pass_k,
+                     "eval_k": 4, "eval_seconds": 60.0, **stamp})  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if config is not None:
+        (run_dir / "config.json").write_text(json.dumps({"preset": preset, "config": config}))
+    if wall_s is not None:
+        (run_dir / "cpu.json").write_text(json.dumps({"wall_s": wall_s, "orchestrator_s": 1.0}))
+    return run_dir
+
+
+def config(run_dir: Path, seed: int, clip_high: float) -> dict[str, Any]:
+    return {"steps": 4, "seed": seed, "run_dir": str(run_dir), "lr": 1e-6, "dataset": "reasoning_gym:chain_sum",
+            "learner": {"clip_high": clip_high, "clip_low": 0.2}, "buffer": {"max_staleness": 1}}  # fmt: skip
+
+
+ARM_A = {1: (0.25, 0.40, 0.5), 2: (0.31, 0.44, 0.6), 3: (0.38, 0.36, 0.7)}  # seed: (avg@k at v2, final, final pass@k)
+ARM_B = {1: (0.20, 0.30, 0.4), 2: (0.22, 0.34, 0.5)}
+
+
+def synthetic(root: Path, preset: str | None = "configs/dapo.toml") -> list[Path]:
+    """Arm A (clip_high 0.28, seeds 1-3, cpu.json), arm B (clip_high 0.2, seeds 1-2, no cpu.json), and an old run
+    without config.json or timestamps."""
+    runs = []
+    for arm, clip, seeds in (("a", 0.28, ARM_A), ("b", 0.2, ARM_B)):
+        for seed, (mid, final, pass_k) in seeds.items():
+            d = root / f"{arm}-seed{seed}"
+            evals = [(0, 0.10, 0.2), (2, mid, 0.3), (4, final, pass_k)]
+            wall = 1200 + 60 * seed if arm == "a" else None
+            runs.append(write_run(d, evals, config=config(d, seed, clip), preset=preset, wall_s=wall))
+    runs.append(
+        write_run(root / "old-seed7", [(0, 0.1, 0.2), (2, 0.15, 0.2), (4, 0.2, 0.3)], wall_s=120, stamped=False)
+    )
+    return runs
+
+
+def test_arms_their_means_standard_errors_welch_and_times(tmp_path: Path) -> None:
+    c = compare(synthetic(tmp_path / "runs"), tmp_path / "out", gain=0.2)
+    a, b, old = c.arms
+    assert [x.label for x in c.arms] == ["dapo (learner.clip_high=0.28)", "dapo (learner.clip_high=0.2)", "old"]
+    assert a.seeds == [1, 2, 3] and b.seeds == [1, 2] and old.seeds == [7]
+    assert a.final == pytest.approx((0.40, 0.04 / math.sqrt(3)))  # std of .40 .44 .36 = 0.04
+    assert b.final == pytest.approx((0.32, 0.02))  # std of .30 .34 = 0.0283, /√2
+    assert a.best == pytest.approx(
+        (statistics.fmean([0.40, 0.44, 0.38]), statistics.stdev([0.40, 0.44, 0.38]) / 3**0.5)
+    )
+    assert a.pass_at_k == pytest.approx((0.6, 0.1 / math.sqrt(3)))
+    assert a.diff is None and b.diff == pytest.approx((-0.08, math.sqrt(0.04**2 / 3 + 0.02**2 * 2 / 2)))
+    assert old.diff is not None and math.isnan(old.final[1]) and math.isnan(old.diff[1])  # one seed: no spread
+    # wall: cpu.json's (1260, 1320, 1380 s); without it, the evaluations' span from the first one's start
+    assert a.wall_min == pytest.approx(22.0) and b.wall_min == pytest.approx(20.0) and old.wall_min == 2.0
+    # +0.20 over 0.10: seed 1 at v4 (20 min), seeds 2 and 3 at v2 (10 min); B's 0.30 - 0.10 counts (floats: 0.19999…)
+    assert (a.to_gain_min, a.reached) == (pytest.approx(40 / 3), 3) and (b.to_gain_min, b.reached) == (20.0, 2)
+    assert (old.to_gain_min, old.reached) == (None, 0) and a.versions == (4, 4)
+    # the old run has no timestamps: the learner's 10 s per step stretched to 120 s of wall time, 3x
+    assert [e.minutes for e in old.runs[0].evals] == pytest.approx([0.0, 1.0, 2.0]) and old.runs[0].clock == "scaled"
+    assert c.differs == {"learner.clip_high": [0.28, 0.2, "?"]}  # seed and run_dir differ too, within arms
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert (
+        "| learner.clip_high | 0.28 | 0.2 | ? |" in md and "| final held-out avg@4 (mean ± se) | 0.400 ± 0.023 |" in md
+    )
+    assert "| final − dapo (learner.clip_high=0.28) (± Welch se) | — | -0.080 ± 0.031 | -0.200 ± — |" in md
+    assert "| time to +0.20 avg@4 over the first eval | 13.3 min (3 of 3) | 20.0 min (2 of 2) | not reached |" in md
+    saved = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert saved["arms"][1]["diff"] == pytest.approx({"mean": -0.08, "se": 0.030550504633})
+    assert saved["arms"][2]["final"]["se"] is None and saved["arms"][0]["runs"][0]["minutes_to_gain"] == 20.0
+    assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
+
+
+def test_labels_without_a_preset_say_what_differs_and_one_arm_has_nothing_to(tmp_path: Path) -> None:
+    c = compare(synthetic(tmp_path / "runs", preset=None)[:5], None, gain=0.5)
+    assert [a.label for a in c.arms] == ["learner.clip_high=0.28", "learner.clip_high=0.2"]
+    assert c.arms[0].to_gain_min is None and not (tmp_path / "out").exists()
+    one = compare(synthetic(tmp_path / "one")[:3], None, gain=0.2)
+    assert [a.label for a in one.arms] == ["dapo"] and one.differs == {}
+
+
+def test_the_presets_resolved_configs_differ_in_what_the_presets_set(tmp_path: Path) -> None:
+    from mesh.config import MeshConfig
+
+    runs = []
+    for preset in ("dapo", "grpo"):  # config.json as `dapo-mesh up` writes it (Mesh.write_config)
+        for seed in (1, 2):
+            cfg = MeshConfig.from_preset(CONFIGS / f"{preset}.toml", run_dir=tmp_path / f"{preset}{seed}", seed=seed)
+            dump = cfg.model_dump(mode="json", exclude={"redis_url"})
+            runs.append(write_run(cfg.run_dir, [(0, 0.1, 0.2)], config=dump, preset=f"configs/{preset}.toml"))
+    c = compare(runs, None)
+    assert [a.label for a in c.arms] == ["dapo", "grpo"] and c.differs["learner.clip_high"] == [0.28, 0.2]
+    assert "buffer.dynamic_sampling" in c.differs and not {"seed", "run_dir", "steps"} & set(c.differs)
+
+
+def test_flatten_and_a_directory_that_is_not_a_run(tmp_path: Path) -> None:
+    assert flatten({"seed": 1, "learner": {"clip_high": 0.28, "x": {"y": [1]}}}) == {
+        "seed": 1,
+        "learner.clip_high": 0.28,
+        "learner.x.y": [1],
+    }
+    with pytest.raises(NotARun, match=str(tmp_path)):
+        compare([tmp_path], None)
+
+
+def test_the_checked_in_ablation_gives_ablate_json_numbers(tmp_path: Path) -> None:
+    runs = [DOCS / "ablate" / f"{p}-seed{s}" for p in ("dapo", "grpo") for s in (1, 2, 3)]
+    c = compare(runs, tmp_path, gain=0.2)
+    table = json.loads((DOCS / "ablate" / "ablate.json").read_text())
+    for arm in c.arms:
+        finals = [r["final"] for r in table if r["preset"] == arm.label]
+        assert arm.seeds == [1, 2, 3] and arm.final == pytest.approx(
+            (statistics.fmean(finals), statistics.stdev(finals) / 3**0.5)
+        )
+        assert arm.best[0] == pytest.approx(statistics.fmean(r["best"] for r in table if r["preset"] == arm.label))
+    assert [a.label for a in c.arms] == ["dapo", "grpo"] and c.arms[1].diff == pytest.approx(
+        (-0.039167, 0.026), abs=5e-4
+    )
+    assert c.arms[0].wall_min == pytest.approx(28.93, abs=0.01) and c.arms[0].versions == (45, 45)
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+
+
+def test_the_command_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from mesh.cli import app
+
+    runs = [str(p) for p in synthetic(tmp_path / "runs")]
+    r = CliRunner().invoke(app, ["compare", *runs, "--out", str(tmp_path / "out"), "--gain", "0.25", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["gain"] == 0.25 and [a["reached"] for a in data["arms"]] == [3, 0, 0]
+    assert (tmp_path / "out" / "compare.md").exists()
+    r = CliRunner().invoke(app, ["compare", *runs[:2]])
+    assert r.exit_code == 0 and "learner.clip_high" not in r.output and "0.420 ± 0.020" in " ".join(r.output.split())
+    r = CliRunner().invoke(app, ["compare", runs[0], str(tmp_path)])
+    assert r.exit_code == 2 and "no metrics.jsonl" in " ".join(w for w in r.output.split() if w != "│")
