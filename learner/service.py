@@ -29,6 +29,7 @@ from learner.settings import LearnerSettings
 from learner.trainer import Trainer
 from learner.weight_sync import WeightSender
 from services import ledger
+from services.episode_log import EpisodeLog, group_record, sample_record
 from services.schemas import DroppedGroup, LedgerEntry, ScoredGroup, TrainBatch
 from services.stream_admin import safe_trim, stream_stats
 from services.streams import (
@@ -74,6 +75,12 @@ class Learner:
         self.trained_now = 0  # batches this process trained
         self.ledger = ledger.open_ledger(s.run_dir)
         self.dropped = StreamProducer(client, STREAM_DROPPED)
+        self.episodes = EpisodeLog(
+            s.run_dir / "episodes",
+            fraction=s.record_episodes,
+            max_mb=s.record_episodes_mb,
+            meta={"model_dir": str(s.model_dir)},  # the viewer's tokenizer
+        )
 
     @property
     def finished(self) -> bool:
@@ -123,8 +130,10 @@ class Learner:
         )
         if not fresh:
             self.consumer.ack_and_publish([d.entry_id], records)  # dropped and acknowledged in one step
+            self.record_stale(stale, version)
             return None
         self.dropped.publish_many(msg for _, msg in records)  # again if a crash redelivers the batch: harmless
+        self.record_stale(stale, version)
         return TrainBatch.assemble(batch.batch_id, fresh)
 
     @staticmethod
@@ -150,6 +159,7 @@ class Learner:
             record.record_batch(s.run_dir, state.version, batch)
         lag = max(0, state.version - batch.min_version)
         state.advance(batch.batch_id, int(m.get("optimizer_steps", 0)), digest)  # the steps taken, not configured
+        self.record_trained(batch, state.version)
         self.done.add(digest)
         self.m.record(m, state.version, lag)
         snapshot = None
@@ -179,6 +189,48 @@ class Learner:
         log.info(
             "batch %d -> version %d: loss %.4f, %.1f s", batch.batch_id, state.version, m.get("loss", 0.0), m["seconds"]
         )
+
+    def record_trained(self, batch: TrainBatch, version: int) -> None:
+        """The batch's recorded share (--record-episodes) with the learner's numbers: each sample's advantage, each
+        token's log-prob under the weights before the update (pi_prox; 0 where the loss mask is 0: not computed) and
+        its loss mask. A file per version, replaced whole: a batch trained again after a crash is recorded once."""
+        t = self.trainer.last
+        if t is None or not any(self.episodes.wants(g.group_id) for g in batch.groups):
+            return
+        assert t.old_logp is not None and t.advantages is not None and t.loss_mask is not None
+        records, row = [], 0
+        for g in batch.groups:
+            if self.episodes.wants(g.group_id):
+                samples = []
+                for i, (sample, score) in enumerate(zip(g.samples, g.scores, strict=True), start=row):
+                    end = int(t.attention_mask[i].sum())  # prompt, then the response, then padding
+                    start = end - len(sample.response_token_ids)
+                    samples.append(
+                        sample_record(
+                            sample,
+                            score.reward,
+                            score.acc,
+                            score.pred,
+                            advantage=float(t.advantages[i]),
+                            learner_logp=t.old_logp[i, start:end].tolist(),
+                            loss_mask=t.loss_mask[i, start:end].tolist(),
+                        )
+                    )
+                records.append(group_record(g, "trained", version, batch_id=batch.batch_id, samples=samples))
+            row += len(g.samples)
+        self._write_episodes(f"v{version:06d}.jsonl", records, version, replace=True)
+
+    def record_stale(self, stale: list[ScoredGroup], version: int) -> None:
+        records = [group_record(g, "dropped", version, reason="stale_at_update") for g in stale]
+        self._write_episodes(f"dropped-v{version:06d}.jsonl", records, version)
+
+    def _write_episodes(self, name: str, records: list[dict[str, Any]], version: int, replace: bool = False) -> None:
+        """Recording is for reading: a full disk says so and training goes on."""
+        try:
+            kept = [r for r in records if self.episodes.wants(r["group_id"])]
+            self.episodes.write(name, kept, version=version, replace=replace)
+        except OSError as e:
+            log.warning("could not record the episodes of version %d: %s", version, e)
 
     def commit(self) -> None:
         """Checkpoint, then acknowledge the batches the checkpoint holds, then trim the stream."""

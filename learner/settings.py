@@ -158,6 +158,17 @@ class LearnerSettings(ServiceSettings, RedisSettings):
         description="Write every batch as trained to run_dir/batches/<version>.msgpack (and the update settings): "
         "`dapo-mesh replay` trains them again offline.",
     )
+    record_episodes: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of the trained groups (and of those dropped as stale at the update) written token by token "
+        "to run_dir/episodes/ for `dapo-mesh view`: text, token ids, behaviour and learner log-probs, versions, "
+        "loss mask (0: none; chosen by a hash of the group id).",
+    )
+    record_episodes_mb: float = Field(
+        256.0, gt=0, description="Recording stops once run_dir/episodes/ holds this much (said in its meta.json)."
+    )
     ranks: int = Field(
         1,
         ge=1,

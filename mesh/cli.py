@@ -9,6 +9,8 @@ dapo-mesh redrive         # put dead letters back on their stream once their cau
 dapo-mesh eval            # held-out avg@k / pass@k of a model (rollout's evaluator)
 dapo-mesh curves          # a run's metrics.jsonl as curves.png (mesh/curves.py)
 dapo-mesh ablate          # presets over seeds and the held-out table (mesh/ablate.py)
+dapo-mesh view RUN_DIR    # the run's episodes in the browser, token by token (mesh/viewer.py)
+dapo-mesh compare RUN_DIR...   # runs side by side: arms, mean ± se over seeds, what differs (mesh/compare.py)
 dapo-mesh replay          # retrain a recorded run's batches, to compare weights (learner/replay.py)
 dapo-mesh prepare-model   # SmolLM2-135M-Instruct GGUF (or a local HF folder) -> safetensors folder
 dapo-mesh merge           # a LoRA snapshot + its base model -> an HF folder loadable without LoRA
@@ -288,6 +290,37 @@ def ablate(
         raise typer.BadParameter(str(e)) from None
     results = run_ablation(paths, numbers, run_dir, steps=steps, say=console.print)
     console.print(markdown(results))
+
+
+@app.command()
+def compare(
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(metavar="RUN_DIR", help="Run directories of `dapo-mesh up` (or NAME.metrics.jsonl copies)."),
+    ],
+    out: Annotated[Path | None, typer.Option(help="Write compare.md, compare.json and compare.png here.")] = None,
+    gain: Annotated[
+        float, typer.Option(help="Time to gain: minutes until held-out avg@k is this much above the first eval.")
+    ] = 0.20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
+) -> None:
+    """Runs side by side: runs whose configs differ only in seed form an arm; per arm the final and best held-out
+    avg@k and pass@k (mean ± standard error over seeds), wall time, time to gain, versions trained, the difference
+    from the first arm (Welch); the config keys that differ between arms. Also `dapo-mesh ablate` writes it."""
+    from mesh.compare import NotARun
+    from mesh.compare import compare as run_compare
+    from mesh.compare_report import table
+
+    try:
+        result = run_compare(run_dirs, out, gain)
+    except NotARun as e:
+        raise typer.BadParameter(str(e), param_hint="RUN_DIR") from None
+    if as_json:
+        print(json.dumps(result.to_json(), indent=1))
+        return
+    console.print(table(result))
+    if out is not None:
+        console.print(f"written: {out / 'compare.md'}, {out / 'compare.json'}, {out / 'compare.png'}")
 
 
 @app.command()
@@ -580,7 +613,8 @@ def up(
     except PresetError as e:  # plain text, not a box: the message names the section and field, keep it whole
         Console(stderr=True).print(f"invalid mesh config: {e}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
-    mesh = Mesh(cfg, say=console.print, console=console if console.is_terminal else None)
+    preset = str(config) if config else (None if tiny else str(DEFAULT_PRESET))
+    mesh = Mesh(cfg, say=console.print, console=console if console.is_terminal else None, preset=preset)
     code = 1
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the services as Ctrl-C does (it left them running)
     try:
@@ -619,6 +653,7 @@ def mesh_config(run_dir: Path, config: Path | None, tiny: bool, given: dict[str,
         data = tiny_data(run_dir, given.pop("steps", 3), sections)
         if preset is not None:  # the task goes with its verifier and dataset config; the scale stays tiny
             data |= {"dataset": preset.mesh["dataset"]} if "dataset" in preset.mesh else {}
+            data |= {k: preset.data[k] for k in ("trackers", "tracking") if k in preset.data}  # how it is watched
             console.print(f"--tiny: {config}'s dataset and service sections, at the tiny mesh's scale", markup=False)
     else:
         preset = load_preset(config or DEFAULT_PRESET)
@@ -637,9 +672,9 @@ def _parse_set(item: str) -> tuple[str, str, Any]:
 
     name, sep, raw = item.partition("=")
     section, dot, key = name.strip().partition(".")
-    if not sep or not dot or section not in ("mesh", *SECTIONS):
+    if not sep or not dot or section not in ("mesh", "tracking", *SECTIONS):
         raise PresetError(
-            f"--set {item!r}: write SECTION.FIELD=VALUE with SECTION one of mesh, reward, buffer, learner, rollout"
+            f"--set {item!r}: write SECTION.FIELD=VALUE with SECTION one of mesh, tracking, {', '.join(SECTIONS)}"
         )
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
@@ -665,3 +700,30 @@ def _check(redis_url: str | None, run_dir: Path) -> None:
     finally:
         if server:
             server.stop()
+
+
+@app.command()
+def view(
+    run_dir: Annotated[
+        Path, typer.Argument(help="The run directory of `dapo-mesh up`, finished or running.")
+    ] = RUN_DIR,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="HTTP port (0: any free port).")] = 8090,
+    host: Annotated[str, typer.Option(help="Bind address; beyond loopback it wants DAPO_AUTH_TOKEN.")] = "127.0.0.1",
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="A model folder to decode tokens with; default: the run's model.")
+    ] = None,
+) -> None:
+    """Episodes of a run in the browser: by version, task, reward and outcome; each token coloured by its policy
+    version, log-prob, learner gap or loss mask; the held-out samples; the curves (docs: operations/viewer.md)."""
+    from pydantic import ValidationError
+
+    from mesh.viewer import ViewerSettings, main
+
+    if not run_dir.is_dir():
+        raise typer.BadParameter(f"{run_dir} is not a directory", param_hint="RUN_DIR")
+    try:
+        settings = ViewerSettings(run_dir=run_dir, port=port, host=host, tokenizer=tokenizer)
+    except ValidationError as e:
+        raise typer.BadParameter(str(e.errors()[0]["msg"])) from None
+    console.print(f"episodes of {run_dir}: http://{host}:{port}/" + ("#token=..." if settings.auth_token else ""))
+    main(settings)

@@ -134,6 +134,7 @@ def service_values(
             "batch_size": cfg.batch_size,
             "max_staleness": cfg.max_staleness,
             "shuffle_seed": cfg.seed,
+            "record_episodes": 1.0,  # for `dapo-mesh view` (bounded on disk: record_episodes_mb)
         },
         "learner": {
             "port": ports["learner"],
@@ -152,6 +153,7 @@ def service_values(
             "lora_rank": cfg.lora_rank,
             "seed": cfg.seed,
             "cpu_cores": cores[0] if cores else None,
+            "record_episodes": 1.0,
         },
     }
     for i in range(cfg.replicas):
@@ -178,6 +180,7 @@ def service_values(
         if cfg.eval_every and i == 0:  # rollout-0 evaluates the held-out split the buffer wrote
             out[name] |= {"eval_every": cfg.eval_every, "eval_data": run.eval_items}
             out[name] |= {"eval_size": cfg.eval_size, "eval_k": cfg.eval_k}
+            out[name] |= {"eval_record_samples": min(cfg.eval_size * cfg.eval_k, 1024)}
     if cfg.gateway_port is not None:
         out["router"] = {"port": cfg.gateway_port}
     return {name: v | cfg.section(_service(name)) for name, v in out.items()}

@@ -38,6 +38,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from buffer.settings import BufferSettings
 from env_server.settings import EnvSettings
 from learner.settings import LearnerSettings
+from mesh.trackers import TrackingSettings
 from reward_server.settings import RewardSettings
 from rollout.settings import RolloutSettings
 from router.settings import RouterSettings
@@ -269,6 +270,15 @@ class MeshConfig(BaseModel):
         "they serve run against them (the mesh starts its own environment service only for the others). Checked "
         "before anything starts.",
     )
+    trackers: list[Literal["wandb", "mlflow", "tensorboard"]] = Field(
+        default_factory=list,
+        description="Experiment trackers the run logs to ([tracking] sets them up; docs: operations/trackers.md): "
+        "every metrics.jsonl row, the resolved config, a table of sampled episodes; an error at start-up if one "
+        "cannot open, logged and skipped if one fails mid-run.",
+    )
+    tracking: TrackingSettings = Field(
+        default_factory=TrackingSettings, description="The trackers' settings (project, run name, tables, URIs)."
+    )
     reward: RewardSection = Field(default_factory=RewardSection, description="The reward server's settings.")
     env: EnvSection = Field(
         default_factory=EnvSection, description="The environment service's (started when the dataset has env: parts)."
@@ -291,7 +301,7 @@ class MeshConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         if bad := sorted(set(data) - set(cls.model_fields)):
-            raise ValueError(f"[mesh] has no setting {bad}; {_near(bad, set(cls.model_fields) - set(SERVICES))}")
+            raise ValueError(f"[mesh] has no setting {bad}; {_near(bad, set(cls.model_fields) - set(TABLES))}")
         for name in SERVICES:
             values = data.get(name)
             if not isinstance(values, dict):
@@ -390,7 +400,8 @@ TINY_NEEDS: dict[tuple[Service, str], Any] = {
 }
 
 # where a run goes and what runs it are the caller's, not a preset's
-PRESET_MESH_FIELDS = set(MeshConfig.model_fields) - {"run_dir", "redis_url", *SERVICES}
+PRESET_MESH_FIELDS = set(MeshConfig.model_fields) - {"run_dir", "redis_url", "tracking", *SERVICES}
+TABLES = ("tracking", *SERVICES)  # a preset's [sections] beside [mesh]
 
 
 class PresetError(ValueError):
@@ -403,7 +414,7 @@ def describe(e: ValidationError) -> str:
     out = []
     for x in e.errors():
         loc = [str(p) for p in x["loc"]]
-        section, field = (loc[0], loc[1:]) if loc and loc[0] in SERVICES else ("mesh", loc)
+        section, field = (loc[0], loc[1:]) if loc and loc[0] in TABLES else ("mesh", loc)
         msg = x["msg"].removeprefix("Value error, ")
         out.append(msg if msg.startswith("[") else f"[{section}] {'.'.join(field)}: {msg}".replace(" : ", ": "))
     return "; ".join(out)
@@ -416,7 +427,7 @@ class Preset:
 
     @property
     def mesh(self) -> dict[str, Any]:
-        return {k: v for k, v in self.data.items() if k not in SERVICES}
+        return {k: v for k, v in self.data.items() if k not in TABLES}
 
     @property
     def services(self) -> dict[str, dict[str, Any]]:
@@ -466,11 +477,11 @@ def load_preset(path: Path) -> Preset:
     data = read_preset(path)
     if bad := sorted(k for k, v in data.items() if not isinstance(v, dict)):
         raise PresetError(f"{path}: {bad} outside a [section]")
-    if unknown := sorted(set(data) - {"mesh", *SERVICES}):
-        raise PresetError(f"{path}: unknown sections {unknown}; use [mesh], [{'], ['.join(SERVICES)}]")
+    if unknown := sorted(set(data) - {"mesh", *TABLES}):
+        raise PresetError(f"{path}: unknown sections {unknown}; use [mesh], [{'], ['.join(TABLES)}]")
     mesh = dict(data.get("mesh", {}))
     if callers := sorted(set(mesh) & (set(MeshConfig.model_fields) - PRESET_MESH_FIELDS)):
         raise PresetError(f"{path}: [mesh] {callers} belong to the command line, not a preset")
-    flat = mesh | {name: dict(data.get(name, {})) for name in SERVICES}
+    flat = mesh | {name: dict(data.get(name, {})) for name in TABLES}
     MeshConfig.validated(flat, where=str(path))
     return Preset(path, flat)

@@ -49,6 +49,27 @@ class RunLayout:
         return eval_items_path(self.buffer)
 
     @property
+    def episodes(self) -> list[Path]:
+        """Where recorded episodes are (services/episode_log.py): the learner's (trained, and stale at the update)
+        and the buffer's (dropped)."""
+        return [self.learner / "episodes", self.buffer / "episodes"]
+
+    @property
+    def evals(self) -> Path:
+        """The held-out samples of each evaluation (evals/v<version>.jsonl), written by the recorder."""
+        return self.root / "evals"
+
+    @property
+    def config(self) -> Path:
+        """The run's resolved config (and its preset's path), written when it starts: `dapo-mesh compare` reads it."""
+        return self.root / "config.json"
+
+    @property
+    def trackers(self) -> Path:
+        """The experiment trackers' local files (mesh/trackers.py)."""
+        return self.root / "trackers"
+
+    @property
     def redis(self) -> Path:
         return self.root / "redis"
 

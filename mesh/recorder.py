@@ -20,13 +20,26 @@ from typing import Any
 from mesh import curves
 from mesh.layout import RunLayout
 from mesh.live import ServiceState, mesh_numbers
+from mesh.trackers import Trackers
 from services.ledger import LedgerTail
 from services.schemas import LedgerEntry
 
+TABLE_COLUMNS = ["version", "task", "prompt", "response", "reward", "acc", "advantage"]
+
 
 class RunRecorder:
-    def __init__(self, paths: RunLayout, *, client: Callable[[], Any], say: Callable[[str], None] = print):
+    def __init__(
+        self,
+        paths: RunLayout,
+        *,
+        client: Callable[[], Any],
+        say: Callable[[str], None] = print,
+        trackers: Trackers | None = None,
+        table_every: int = 5,
+        table_rows: int = 16,
+    ):
         self.paths, self.client, self.say = paths, client, say
+        self.trackers, self.table_every, self.table_rows = trackers, table_every, table_rows
         self.tail = LedgerTail(paths.learner)
         self.version = 0  # the newest policy version in metrics.jsonl
         self.evaluated: set[int] = set()  # policy versions with a held-out evaluation
@@ -42,7 +55,27 @@ class RunRecorder:
                 self.version = e.version
                 rows.append(row(e, states))
         self.append(rows)
+        for r in rows:
+            if self.trackers is not None and r["policy_version"] % self.table_every == 0:
+                self.trackers.log_table(r["policy_version"], TABLE_COLUMNS, self.episode_table(r["policy_version"]))
         return rows
+
+    def episode_table(self, version: int) -> list[list[Any]]:
+        """The trackers' table of sampled episodes trained into `version`: the first samples of its recorded groups
+        (the learner's --record-episodes), `table_rows` at most; none when nothing was recorded."""
+        path = self.paths.learner / "episodes" / f"v{version:06d}.jsonl"
+        out: list[list[Any]] = []
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            return out
+        for text in lines:
+            g = json.loads(text)
+            for s in g["samples"]:
+                if len(out) == self.table_rows:
+                    return out
+                out.append([version, g["task"], g["prompt"] or "", s["text"], s["reward"], s["acc"], s["advantage"]])
+        return out
 
     def record_evals(self) -> list[dict[str, Any]]:
         """New held-out evaluations (dapo:eval) -> rows of metrics.jsonl with kind "eval"."""
@@ -82,9 +115,22 @@ class RunRecorder:
                 f"held-out eval of version {e.version}: avg@{e.k} {e.avg_at_k:.3f}  pass@{e.k} "
                 f"{e.pass_at_k:.3f}  ({e.n_prompts} prompts, {e.seconds:.0f} s)"
             )
+            if e.samples:  # what the viewer shows of it
+                self.write_eval_samples(e)
         self.append(rows)
         self.evaluated.update(r["policy_version"] for r in rows)
         return rows
+
+    def write_eval_samples(self, e: Any) -> None:
+        """evals/v<version>.jsonl: the held-out samples the replica published with its result (replaced whole: an
+        evaluation of the same version read again is the same file)."""
+        self.paths.evals.mkdir(parents=True, exist_ok=True)
+        path = self.paths.evals / f"v{e.version:06d}.jsonl"
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(
+            "".join(json.dumps(s.model_dump(mode="json") | {"version": e.version}) + "\n" for s in e.samples)
+        )
+        tmp.replace(path)
 
     def append(self, rows: list[dict[str, Any]]) -> None:
         """Rows to metrics.jsonl (curves.png is drawn from it at the end: `draw`)."""
@@ -92,6 +138,8 @@ class RunRecorder:
             return
         with self.paths.metrics.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+        if self.trackers is not None:  # after metrics.jsonl: a tracker never holds what the run's own record lacks
+            self.trackers.log_rows(rows)
 
     def draw(self) -> Path | None:
         """curves.png from metrics.jsonl: once, when the run ends (it used to be redrawn at every step, on the cores

@@ -50,11 +50,20 @@ JOBS = {
 
 
 class Mesh:
-    def __init__(self, cfg: MeshConfig, say: Callable[[str], None] = print, console: Any = None):
+    def __init__(
+        self, cfg: MeshConfig, say: Callable[[str], None] = print, console: Any = None, preset: str | None = None
+    ):
         self.cfg, self.say, self.console = cfg, say, console  # a rich Console on a terminal: the live view
+        self.preset = preset  # the preset file the config came from (None: the tiny mesh's, or made in code)
         self.paths = RunLayout(cfg.run_dir)
         self.sup = Supervisor(self.paths, max_restarts=cfg.max_restarts, say=say)
-        self.recorder = RunRecorder(self.paths, client=self.client, say=say)
+        self.recorder = RunRecorder(
+            self.paths,
+            client=self.client,
+            say=say,
+            table_every=cfg.tracking.table_every,
+            table_rows=cfg.tracking.table_rows,
+        )
         self.ports: dict[str, int] = {}
         self.url = ""
         self._client: Any = None  # the mesh's own Redis connection (see client())
@@ -81,6 +90,8 @@ class Mesh:
         self.ports = allocate_ports(self.cfg, routes)
         self.check_data(service_values(self.cfg, model, self.ports, routes)["buffer"])
         self.check_lora(model)
+        self.write_config()
+        self.open_trackers()
         self.started, self._cpu0 = time.monotonic(), time.process_time()  # the run's CPU, not the model's set-up
         self.url = self.cfg.redis_url or self.sup.start_redis()
         self.say(f"redis: {self.url}")
@@ -98,6 +109,30 @@ class Mesh:
                 log_hint=f"; see {self.paths.log(name)}",
             )
             self.say(f"ready: {name} (http://127.0.0.1:{self.ports[name]})")
+
+    def write_config(self) -> dict[str, Any]:
+        """config.json: the preset's path and the resolved config (`dapo-mesh compare` tells runs apart by it); no
+        Redis URL (it may hold a password)."""
+        data = {"preset": self.preset, "config": self.cfg.model_dump(mode="json", exclude={"redis_url"})}
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.paths.config.with_name(".config.json.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(self.paths.config)
+        return data
+
+    def open_trackers(self) -> None:
+        """The preset's trackers, before any service starts: one that cannot open is a PresetError now."""
+        if not self.cfg.trackers:
+            return
+        from mesh.trackers import TrackerError, open_trackers
+
+        params = {"preset": self.preset, **self.cfg.model_dump(mode="json", exclude={"redis_url", "run_dir"})}
+        try:
+            self.recorder.trackers = open_trackers(
+                list(self.cfg.trackers), self.cfg.tracking, self.paths.root, params, say=self.say
+            )
+        except TrackerError as e:
+            raise PresetError(f"trackers: {e}") from None
 
     def check_data(self, buffer_values: dict[str, Any]) -> None:
         """Read the dataset as the buffer will, before anything starts: a file row without a verifier, a part or task
@@ -247,6 +282,8 @@ class Mesh:
             if self.recorder.draw():
                 self.say(f"curves in {self.paths.curves}")
         finally:
+            if self.recorder.trackers is not None:
+                self.recorder.trackers.close()  # never raises (mesh/trackers.py)
             if self._client is not None:
                 self._client.close()
             self.sup.stop()

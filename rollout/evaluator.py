@@ -39,7 +39,7 @@ from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
 from rollout.settings import RolloutSettings
 from services.datasets import Item
-from services.schemas import EvalResult
+from services.schemas import EvalResult, EvalSampleRecord
 from services.streams import STREAM_EVAL, StreamProducer
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class Evaluator:
         if items is None:
             return None
         try:
-            report, _ = evaluate(
+            report, samples = evaluate(
                 engine,
                 items,
                 self.reward,
@@ -124,7 +124,7 @@ class Evaluator:
         except EvaluationStopped as e:
             log.info("held-out evaluation of version %d given up: leaving (%s)", version, e)
             return None
-        return self.publish(report)
+        return self.publish(report, samples=self.records(items, samples))
 
     def report(
         self,
@@ -146,10 +146,37 @@ class Evaluator:
             self.postpone(version, e)
             return None
         report = summarize(items, [*samples, *episodes], self.s.eval_k, version, time.perf_counter() - t0)
-        return self.publish(report, [r for o in outs for c in o for r in (c.versions or ())] + list(episode_runs))
+        runs = [r for o in outs for c in o for r in (c.versions or ())] + list(episode_runs)
+        return self.publish(report, runs, self.records(items, [*samples, *episodes]))
 
-    def publish(self, report: EvalReport, runs: list[tuple[int, int]] | None = None) -> EvalResult:
-        """`runs`: the (version, tokens) runs of every sample, from continuous batching (weights moved meanwhile)."""
+    def records(self, items: Sequence[Item], samples: Sequence[EvalSample]) -> list[EvalSampleRecord]:
+        """The first --eval-record-samples samples, in item order, with their items' prompt and task."""
+        if not self.s.eval_record_samples:
+            return []
+        by_id = {it.prompt_id: it for it in items}
+        order = {it.prompt_id: i for i, it in enumerate(items)}
+        chosen = sorted(samples, key=lambda x: (order.get(x.prompt_id, len(order)), x.sample))
+        return [
+            EvalSampleRecord(
+                prompt_id=x.prompt_id,
+                task=by_id[x.prompt_id].data_source if x.prompt_id in by_id else "",
+                prompt=_cut(by_id[x.prompt_id].prompt) if x.prompt_id in by_id else None,
+                sample=x.sample,
+                response=x.response,
+                response_tokens=x.response_tokens,
+                finish_reason=x.finish_reason,
+                acc=x.acc,
+                score=x.score,
+                pred=x.pred,
+            )
+            for x in chosen[: self.s.eval_record_samples]
+        ]
+
+    def publish(
+        self, report: EvalReport, runs: list[tuple[int, int]] | None = None, samples: Sequence[EvalSampleRecord] = ()
+    ) -> EvalResult:
+        """`runs`: the (version, tokens) runs of every sample, from continuous batching (weights moved meanwhile);
+        `samples`: what is published of the samples themselves."""
         s, version = self.s, report.version
         result = EvalResult(
             version=version,
@@ -162,6 +189,7 @@ class Evaluator:
             truncated_frac=report.truncated_frac,
             seconds=report.seconds,
             by_task=report.by_source,
+            samples=list(samples),
             **token_versions(version, runs),
         )
         self.out.publish(result)
@@ -183,6 +211,10 @@ class Evaluator:
             report.seconds,
         )
         return result
+
+
+def _cut(text: str, limit: int = 4000) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def token_versions(version: int, runs: list[tuple[int, int]] | None) -> dict[str, Any]:

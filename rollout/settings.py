@@ -115,6 +115,13 @@ class RolloutSettings(ServiceSettings, RedisSettings):
     )
     eval_size: int = Field(64, ge=1, description="Held-out prompts per evaluation.")
     eval_k: int = Field(4, ge=1, description="Samples per held-out prompt (avg@k, pass@k).")
+    eval_record_samples: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="Held-out samples published with each evaluation's result (the first this many, in item order: "
+        "prompt, response, reward) for `dapo-mesh view`; 0: none.",
+    )
     eval_seed: int = Field(1234, description="Sampling seed of the evaluation (same seed: same samples).")
     eval_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the evaluation (DAPO's paper: 0.7).")
     dtype: DtypeChoice = Field(

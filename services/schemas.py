@@ -335,8 +335,28 @@ class ReplicaHeartbeat(Message):
     timestamp: float = Field(default_factory=time.time)
 
 
+class EvalSampleRecord(BaseModel):
+    """One held-out sample of an evaluation, for people to read (`dapo-mesh view`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_id: str
+    task: str = Field(description="The item's data source.")
+    prompt: str | None = Field(None, max_length=4001, description="The prompt text, cut at 4,000 characters.")
+    sample: int = Field(ge=0, description="Which of the item's k samples.")
+    response: str
+    response_tokens: int = Field(ge=0)
+    finish_reason: str
+    acc: bool
+    score: FiniteFloat
+    pred: str | None = None
+
+
 class EvalResult(Message):
-    """A held-out evaluation of one policy version (rollout/evaluate.py), published to dapo:eval."""
+    """A held-out evaluation of one policy version (rollout/evaluate.py), published to dapo:eval. Schema 2 added
+    `samples` (a schema-1 result reads as without them)."""
+
+    schema_version: Literal[1, 2] = 2  # type: ignore[assignment]  # a subclass widens the base's Literal[1]
 
     version: int = Field(ge=0, description="Policy version of the weights evaluated.")
     replica_id: str = Field(min_length=1)
@@ -361,6 +381,9 @@ class EvalResult(Message):
     )
     by_task: dict[str, Annotated[FiniteFloat, Field(ge=0.0, le=1.0)]] = Field(
         default_factory=dict, description="avg@k per task (the items' data source); empty from older replicas."
+    )
+    samples: list[EvalSampleRecord] = Field(
+        default_factory=list, max_length=4096, description="The first --eval-record-samples held-out samples."
     )
     created_at: float = Field(default_factory=time.time)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -149,6 +150,31 @@ def test_filtered_and_stale_groups_are_dropped_and_counted(client: redis.Redis) 
         fresh.serve(limit=4)
     new = batches(client)[n_before:]
     assert new and all(g.min_version == 4 for b in new for g in b.groups)
+
+
+def test_dropped_groups_are_recorded_with_why_for_the_viewer(client: redis.Redis, tmp_path: Path) -> None:
+    patterns = [[True] * 4, [False] * 4, [True, False, True, True]]
+    buffer = make_buffer(client, run_dir=tmp_path, record_episodes=1.0)
+    rollout = Rollout(client, lambda t, i: patterns[i % 3])
+    for _ in range(12):
+        buffer.step(block_ms=20)
+        rollout.serve()
+    lines = [
+        json.loads(x)
+        for p in sorted((tmp_path / "episodes").glob("dropped-v*.jsonl"))
+        for x in p.read_text().splitlines()
+    ]
+    by_reason = {r: {x["group_id"] for x in lines if x["reason"] == r} for r in ("all_correct", "all_wrong")}
+    sent = {g.group_id: g for g in rollout.groups}
+    assert len(by_reason["all_correct"]) == filtered(buffer, "all_correct") >= 3  # every drop recorded, once
+    assert len(by_reason["all_wrong"]) == filtered(buffer, "all_wrong") >= 3
+    for x in lines:
+        g = sent[x["group_id"]]
+        assert x["outcome"] == "dropped" and x["task"] == g.task.data_source and x["prompt"] == g.task.prompt
+        assert [s["acc"] for s in x["samples"]] == [s.acc for s in g.scores]
+        assert [s["ids"] for s in x["samples"]] == [s.response_token_ids.tolist() for s in g.samples]
+    kept = {g.group_id for b in batches(client) for g in b.groups}
+    assert not kept & {x["group_id"] for x in lines}  # a batched group is the learner's to record
 
 
 def test_degenerate_pass_rate_does_not_crash_and_the_cap_pauses_dispatch(client: redis.Redis) -> None:

@@ -125,7 +125,14 @@ def test_every_name_the_mesh_sets_is_a_setting_of_that_service(tmp_path: Path) -
         service = name.split("-")[0]
         assert set(settings) <= set(SETTINGS[service].model_fields), name
         # what the mesh sets is refused in a preset section, except a few defaults a preset may change
-        assert set(settings) - MESH_SETS[service] <= {"workers", "seed", "shuffle_seed", "cpu_cores"}, name
+        assert set(settings) - MESH_SETS[service] <= {
+            "workers",
+            "seed",
+            "shuffle_seed",
+            "cpu_cores",
+            "record_episodes",
+            "eval_record_samples",
+        }, name
 
 
 def test_tiny_with_a_preset_takes_its_sections_and_says_what_it_changes(tmp_path: Path) -> None:
