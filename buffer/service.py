@@ -398,8 +398,8 @@ class Buffer:
                     [group_record(g, "dropped", version, reason=reason)],
                     version=version,
                 )
-            except OSError as e:
-                log.warning("could not record dropped group %s: %s", g.group_id, e)
+            except Exception as e:  # noqa: BLE001 (nothing of the log may stop the buffer)
+                log.warning("could not record dropped group %s: %r", g.group_id, e)
 
     def _watch_degenerate(self, reason: str) -> None:
         """Never crash on a degenerate pass rate: say so, and pause dispatch if a cap is set."""

@@ -17,19 +17,21 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 
 from learner import record
 from learner.checkpoint import LearnerState
+from learner.episodes import trained_records
 from learner.metrics import LearnerMetrics
 from learner.ranks import Leader
 from learner.settings import LearnerSettings
 from learner.trainer import Trainer
 from learner.weight_sync import WeightSender
 from services import ledger
-from services.episode_log import EpisodeLog, group_record, sample_record
+from services.episode_log import EpisodeLog, group_record
 from services.schemas import DroppedGroup, LedgerEntry, ScoredGroup, TrainBatch
 from services.stream_admin import safe_trim, stream_stats
 from services.streams import (
@@ -130,10 +132,10 @@ class Learner:
         )
         if not fresh:
             self.consumer.ack_and_publish([d.entry_id], records)  # dropped and acknowledged in one step
-            self.record_stale(stale, version)
+            self.record_stale(batch, stale, version)
             return None
         self.dropped.publish_many(msg for _, msg in records)  # again if a crash redelivers the batch: harmless
-        self.record_stale(stale, version)
+        self.record_stale(batch, stale, version)
         return TrainBatch.assemble(batch.batch_id, fresh)
 
     @staticmethod
@@ -191,46 +193,30 @@ class Learner:
         )
 
     def record_trained(self, batch: TrainBatch, version: int) -> None:
-        """The batch's recorded share (--record-episodes) with the learner's numbers: each sample's advantage, each
-        token's log-prob under the weights before the update (pi_prox; 0 where the loss mask is 0: not computed) and
-        its loss mask. A file per version, replaced whole: a batch trained again after a crash is recorded once."""
+        """The batch's recorded share (--record-episodes) with the learner's numbers (learner/episodes.py). A file
+        per version, replaced whole: a batch trained again after a crash is recorded once."""
         t = self.trainer.last
         if t is None or not any(self.episodes.wants(g.group_id) for g in batch.groups):
             return
-        assert t.old_logp is not None and t.advantages is not None and t.loss_mask is not None
-        records, row = [], 0
-        for g in batch.groups:
-            if self.episodes.wants(g.group_id):
-                samples = []
-                for i, (sample, score) in enumerate(zip(g.samples, g.scores, strict=True), start=row):
-                    end = int(t.attention_mask[i].sum())  # prompt, then the response, then padding
-                    start = end - len(sample.response_token_ids)
-                    samples.append(
-                        sample_record(
-                            sample,
-                            score.reward,
-                            score.acc,
-                            score.pred,
-                            advantage=float(t.advantages[i]),
-                            learner_logp=t.old_logp[i, start:end].tolist(),
-                            loss_mask=t.loss_mask[i, start:end].tolist(),
-                        )
-                    )
-                records.append(group_record(g, "trained", version, batch_id=batch.batch_id, samples=samples))
-            row += len(g.samples)
-        self._write_episodes(f"v{version:06d}.jsonl", records, version, replace=True)
+        self._record(f"v{version:06d}.jsonl", version, lambda: trained_records(batch, t, version, self.episodes.wants))
 
-    def record_stale(self, stale: list[ScoredGroup], version: int) -> None:
-        records = [group_record(g, "dropped", version, reason="stale_at_update") for g in stale]
-        self._write_episodes(f"dropped-v{version:06d}.jsonl", records, version)
+    def record_stale(self, batch: TrainBatch, stale: list[ScoredGroup], version: int) -> None:
+        """Groups dropped past the staleness bound at the update: a file per batch, replaced whole (a batch delivered
+        again after a crash records them once)."""
+        wanted = [g for g in stale if self.episodes.wants(g.group_id)]
+        if wanted:
+            name = f"stale-v{version:06d}-b{batch.batch_id}.jsonl"
+            self._record(
+                name, version, lambda: [group_record(g, "dropped", version, reason="stale_at_update") for g in wanted]
+            )
 
-    def _write_episodes(self, name: str, records: list[dict[str, Any]], version: int, replace: bool = False) -> None:
-        """Recording is for reading: a full disk says so and training goes on."""
+    def _record(self, name: str, version: int, records: Callable[[], list[dict[str, Any]]]) -> None:
+        """Recording is for reading: whatever goes wrong making or writing the records is said, and training goes
+        on (the learner is between its update and its ledger line here)."""
         try:
-            kept = [r for r in records if self.episodes.wants(r["group_id"])]
-            self.episodes.write(name, kept, version=version, replace=replace)
-        except OSError as e:
-            log.warning("could not record the episodes of version %d: %s", version, e)
+            self.episodes.write(name, records(), version=version, replace=True)
+        except Exception as e:  # noqa: BLE001 (nothing of the log may stop the learner)
+            log.warning("could not record the episodes of version %d: %r", version, e)
 
     def commit(self) -> None:
         """Checkpoint, then acknowledge the batches the checkpoint holds, then trim the stream."""

@@ -104,7 +104,7 @@ class Trainer:
         self.device = self.engine.device
         self._entropy = 0.0
         self._gap: dict[str, float] = {}
-        self.last: BatchTensors | None = None  # the last batch trained, as tensors (what the episode log records)
+        self.last: BatchTensors | None = None  # the last batch trained, as tensors, while the episode log records
 
     def _tokenizer(self) -> Any:
         if (
@@ -224,7 +224,10 @@ class Trainer:
         t0 = time.perf_counter()
         index = self.batches_done if version is None else version
         lr = self.set_lr(index)
-        t = self.last = self.prepare(batch, version)
+        self.last = None
+        t = self.prepare(batch, version)
+        if self.s.record_episodes > 0:  # what the episode log records of it (learner/episodes.py); none: freed
+            self.last = t
         sums = torch.zeros(len(STEP_METRICS) + 1, dtype=torch.float64)  # token-weighted sums, then the tokens
         grad_norms = []
         for mb in minibatches(len(t), self.s.minibatches, generator=self.shuffle(index)):

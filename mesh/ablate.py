@@ -15,6 +15,7 @@ held-out curves of every run with each preset's mean to RUN_DIR/ablate.png; and 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -171,7 +172,7 @@ def ablate(
             done = read_run(cfg.run_dir)
             if done is None or done[2] < cfg.steps:
                 say(f"ablation: {preset.stem} with seed {seed} ({cfg.steps} steps) in {cfg.run_dir}")
-                (run or _run_mesh)(cfg)
+                (run or functools.partial(_run_mesh, preset=str(preset)))(cfg)
                 done = read_run(cfg.run_dir)
             if done is None:
                 raise RuntimeError(f"{cfg.run_dir}: the run made no held-out evaluation (eval_every is 0?)")
@@ -198,10 +199,10 @@ def draw(root: Path, presets: list[Path], seeds: list[int]) -> Path:
     return plot_ablation(runs, root / "ablate.png")
 
 
-def _run_mesh(cfg: MeshConfig) -> Any:
+def _run_mesh(cfg: MeshConfig, preset: str | None = None) -> Any:
     from mesh.up import Mesh
 
-    mesh = Mesh(cfg, say=lambda _: None)
+    mesh = Mesh(cfg, say=lambda _: None, preset=preset)  # config.json names it: compare labels the arms by it
     try:
         mesh.start()
         return mesh.run()

@@ -36,7 +36,12 @@ from typing import Any
 from mesh.compare_report import draw, markdown
 from mesh.layout import RunLayout
 
-IGNORED = ("seed", "run_dir")  # what may differ between the runs of one arm
+IGNORED = ("seed", "run_dir", "trackers", "linger_s")  # what may differ between the runs of one arm
+
+
+def ignored(key: str) -> bool:
+    """A config key (dotted) that does not make another arm: the seed, where the run went, how it was watched."""
+    return key in IGNORED or key.startswith("tracking.")
 DEFAULT_GAIN = 0.20  # held-out avg@k points over the first evaluation that "time to gain" waits for
 _SEED = re.compile(r"^(?P<name>.+)-seed(?P<seed>\d+)$")
 
@@ -260,13 +265,13 @@ def group(runs: list[Run]) -> tuple[list[tuple[str, list[Run]]], dict[str, list[
     arms with each arm's value."""
     arms: dict[str, list[Run]] = {}
     for r in runs:
-        same = {k: v for k, v in r.config.items() if k not in IGNORED} if r.config is not None else None
+        same = {k: v for k, v in r.config.items() if not ignored(k)} if r.config is not None else None
         key = json.dumps(same, sort_keys=True, default=str) if same is not None else f"name:{r.name}"
         arms.setdefault(key, []).append(r)
     groups = list(arms.values())
     configs = [g[0].config for g in groups]
     known = [c for c in configs if c is not None]
-    keys = sorted({k for c in known for k in c} - set(IGNORED))
+    keys = sorted(k for k in {k for c in known for k in c} if not ignored(k))
     differs = {
         k: [UNKNOWN if c is None else c.get(k, ABSENT) for c in configs]
         for k in keys

@@ -21,8 +21,10 @@ from mesh import curves
 from mesh.layout import RunLayout
 from mesh.live import ServiceState, mesh_numbers
 from mesh.trackers import Trackers
+from services.episode_log import read_jsonl
 from services.ledger import LedgerTail
 from services.schemas import LedgerEntry
+from services.snapshots import write_atomic
 
 TABLE_COLUMNS = ["version", "task", "prompt", "response", "reward", "acc", "advantage"]
 
@@ -63,14 +65,8 @@ class RunRecorder:
     def episode_table(self, version: int) -> list[list[Any]]:
         """The trackers' table of sampled episodes trained into `version`: the first samples of its recorded groups
         (the learner's --record-episodes), `table_rows` at most; none when nothing was recorded."""
-        path = self.paths.learner / "episodes" / f"v{version:06d}.jsonl"
         out: list[list[Any]] = []
-        try:
-            lines = path.read_text().splitlines()
-        except OSError:
-            return out
-        for text in lines:
-            g = json.loads(text)
+        for g in read_jsonl(self.paths.episodes[0] / f"v{version:06d}.jsonl"):
             for s in g["samples"]:
                 if len(out) == self.table_rows:
                     return out
@@ -82,7 +78,7 @@ class RunRecorder:
         import redis
 
         from services.schemas import EvalResult
-        from services.streams import STREAM_EVAL, RedisUnavailable, decode
+        from services.streams import STREAM_EVAL, DecodeError, RedisUnavailable, decode
 
         try:
             entries = self.client().xrange(STREAM_EVAL, min=f"({self._eval_seen}" if self._eval_seen else "-")
@@ -92,7 +88,11 @@ class RunRecorder:
         rows: list[dict[str, Any]] = []
         for entry_id, fields in entries:
             self._eval_seen = entry_id.decode()
-            e = decode(fields, EvalResult)
+            try:
+                e = decode(fields, EvalResult)
+            except DecodeError as err:  # another version's replica, a result over the size bound: said, passed over
+                self.say(f"[yellow]an evaluation on {STREAM_EVAL} could not be read ({err}): skipped[/]")
+                continue
             rows.append(
                 {
                     "kind": "eval",
@@ -116,7 +116,10 @@ class RunRecorder:
                 f"{e.pass_at_k:.3f}  ({e.n_prompts} prompts, {e.seconds:.0f} s)"
             )
             if e.samples:  # what the viewer shows of it
-                self.write_eval_samples(e)
+                try:
+                    self.write_eval_samples(e)
+                except OSError as err:
+                    self.say(f"[yellow]could not write the held-out samples of version {e.version}: {err}[/]")
         self.append(rows)
         self.evaluated.update(r["policy_version"] for r in rows)
         return rows
@@ -125,12 +128,8 @@ class RunRecorder:
         """evals/v<version>.jsonl: the held-out samples the replica published with its result (replaced whole: an
         evaluation of the same version read again is the same file)."""
         self.paths.evals.mkdir(parents=True, exist_ok=True)
-        path = self.paths.evals / f"v{e.version:06d}.jsonl"
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(
-            "".join(json.dumps(s.model_dump(mode="json") | {"version": e.version}) + "\n" for s in e.samples)
-        )
-        tmp.replace(path)
+        lines = [json.dumps(s.model_dump(mode="json") | {"version": e.version}) + "\n" for s in e.samples]
+        write_atomic(self.paths.evals / f"v{e.version:06d}.jsonl", "".join(lines))
 
     def append(self, rows: list[dict[str, Any]]) -> None:
         """Rows to metrics.jsonl (curves.png is drawn from it at the end: `draw`)."""

@@ -35,6 +35,8 @@ from mesh.recorder import RunRecorder, line
 from mesh.supervisor import Supervisor
 from services.child_process import ROOT, wait_ready
 from services.schemas import CLIENT_SCORED
+from services.settings import redact
+from services.snapshots import write_atomic
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 SCRAPE_EVERY_S = 5.0  # the live view's refresh of health and metrics (and at every new learner step)
@@ -113,12 +115,15 @@ class Mesh:
     def write_config(self) -> dict[str, Any]:
         """config.json: the preset's path and the resolved config (`dapo-mesh compare` tells runs apart by it); no
         Redis URL (it may hold a password)."""
-        data = {"preset": self.preset, "config": self.cfg.model_dump(mode="json", exclude={"redis_url"})}
+        data = {"preset": self.preset, "config": self.params()}
         self.paths.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.paths.config.with_name(".config.json.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(self.paths.config)
+        write_atomic(self.paths.config, json.dumps(data, indent=1))
         return data
+
+    def params(self) -> dict[str, Any]:
+        """The resolved config as JSON: no Redis URL, URL passwords (an MLflow server's, an environment server's) as
+        stars, secrets as stars."""
+        return dict(redact(self.cfg.model_dump(mode="json", exclude={"redis_url"})))
 
     def open_trackers(self) -> None:
         """The preset's trackers, before any service starts: one that cannot open is a PresetError now."""
@@ -126,7 +131,7 @@ class Mesh:
             return
         from mesh.trackers import TrackerError, open_trackers
 
-        params = {"preset": self.preset, **self.cfg.model_dump(mode="json", exclude={"redis_url", "run_dir"})}
+        params = {"preset": self.preset, **{k: v for k, v in self.params().items() if k != "run_dir"}}
         try:
             self.recorder.trackers = open_trackers(
                 list(self.cfg.trackers), self.cfg.tracking, self.paths.root, params, say=self.say

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -32,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, Field
 
 from mesh.layout import RunLayout
-from services.episode_log import META, expand
+from services.episode_log import META, expand, read_jsonl
 from services.settings import ServiceSettings
 from services.web import create_app, require_token
 
@@ -74,6 +75,7 @@ class _File:
     size: int = 0
     inode: int = 0
     entries: list[Entry] = field(default_factory=list)
+    ids: set[str] = field(default_factory=set)
 
 
 class Index:
@@ -91,9 +93,7 @@ class Index:
         return {"learner": learner, "buffer": buffer, "evals": self.layout.evals}
 
     def path(self, name: str) -> Path:
-        """The file of an id, only among those the index holds (no path from a client is opened as given)."""
-        if name not in self.files:
-            raise HTTPException(404, f"no recorded file {name!r} in this run")
+        """The file of a name the index holds (no path from a client is opened as given)."""
         root, _, base = name.partition("/")
         return self.roots()[root] / base
 
@@ -124,22 +124,28 @@ class Index:
             if not line.endswith(b"\n"):  # a line still being written: read it next time
                 break
             try:
-                rec = json.loads(line)
-            except ValueError:
-                log.warning("%s: a line at byte %d is not JSON: skipped", name, offset)
+                new = _entries(name, offset, json.loads(line), held_out)
+            except (ValueError, KeyError, TypeError, AttributeError) as e:  # not a record: said, and passed over
+                log.warning("%s: the line at byte %d is not a record (%s): skipped", name, offset, e)
             else:
-                f.entries += _entries(name, offset, rec, held_out)
+                f.entries += new
+                f.ids.update(e.id for e in new)
             offset += len(line)
         f.size = offset
 
     def entries(self) -> list[Entry]:
-        return [e for f in self.files.values() for e in f.entries]
+        """Every sample, a copy (requests run in threads; a refresh may be adding files meanwhile)."""
+        with self.lock:
+            return [e for f in self.files.values() for e in f.entries]
 
     def record(self, entry_id: str) -> tuple[dict[str, Any], int]:
-        """(the recorded line, the sample's place in it) of an id."""
+        """(the recorded line, the sample's place in it) of an id the index holds (of the file as it is now)."""
         name, off, j = _split_id(entry_id)
-        path = self.path(name)
-        with path.open("rb") as fh:
+        with self.lock:
+            known = name in self.files and entry_id in self.files[name].ids
+        if not known:
+            raise HTTPException(404, f"no recorded episode {entry_id!r} in this run (reload the list)")
+        with self.path(name).open("rb") as fh:
             fh.seek(off)
             line = fh.readline()
         try:
@@ -196,7 +202,6 @@ class Pieces:
         self.layout, self.override = layout, override
         self.tok: Any = None
         self.error = ""
-        self.cache: dict[int, str] = {}
         self.lock = threading.Lock()
 
     def model_dir(self) -> Path | None:
@@ -209,15 +214,20 @@ class Pieces:
         return Path(meta["model_dir"]) if meta.get("model_dir") else None
 
     def __call__(self, ids: list[int]) -> list[str] | None:
+        """Each token's text as it reads in context: the growth of the decoded prefix (a token alone loses a
+        SentencePiece space, and half of a character split across byte-level tokens is "�"); None: no tokenizer."""
         with self.lock:
             if self.tok is None and not self.error:
                 self._load()
             if self.tok is None:
                 return None
-            missing = sorted({i for i in ids if i not in self.cache})
-            for i, tok in zip(missing, self.tok.convert_ids_to_tokens(missing), strict=True):
-                self.cache[i] = self.tok.convert_tokens_to_string([tok]) if tok is not None else f"<{i}>"
-            return [self.cache[i] for i in ids]
+            tok = self.tok
+        out, before = [], ""
+        for i in range(len(ids)):
+            text = tok.decode(ids[: i + 1])
+            out.append(text[len(before) :] if text.startswith(before) else tok.decode(ids[i : i + 1]))
+            before = text
+        return out
 
     def _load(self) -> None:
         path = self.model_dir()
@@ -259,10 +269,8 @@ def create_viewer(s: ViewerSettings) -> Any:
 
     @api.get("/metrics")
     def metrics() -> list[dict[str, Any]]:
-        """metrics.jsonl's rows (the curves)."""
-        path = index.layout.metrics
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [json.loads(x) for x in lines if x.strip()]
+        """metrics.jsonl's rows (the curves); NaN and infinities as null (JSON has neither)."""
+        return [{k: _finite(v) for k, v in r.items()} for r in read_jsonl(index.layout.metrics)]
 
     @api.get("/episodes", response_model=Page)
     def episodes(
@@ -351,6 +359,10 @@ def episode_detail(index: Index, pieces: Pieces, entry_id: str) -> dict[str, Any
     ]
     sample = {k: v for k, v in s.items() if k not in ("ids", "logp", "learner_logp", "versions", "mask")}
     return {"id": entry_id, **group, **sample, "tokens": tokens, "tokenizer_error": pieces.error or None}
+
+
+def _finite(v: Any) -> Any:
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def _counts(values: Any) -> dict[str, int]:

@@ -39,7 +39,8 @@ from rollout.metrics import RolloutMetrics
 from rollout.reward_client import RewardClient, RewardRejected, RewardUnavailable
 from rollout.settings import RolloutSettings
 from services.datasets import Item
-from services.schemas import EvalResult, EvalSampleRecord
+from services.episode_log import cut
+from services.schemas import RESPONSE_CHARS, EvalResult, EvalSampleRecord
 from services.streams import STREAM_EVAL, StreamProducer
 
 log = logging.getLogger(__name__)
@@ -160,9 +161,9 @@ class Evaluator:
             EvalSampleRecord(
                 prompt_id=x.prompt_id,
                 task=by_id[x.prompt_id].data_source if x.prompt_id in by_id else "",
-                prompt=_cut(by_id[x.prompt_id].prompt) if x.prompt_id in by_id else None,
+                prompt=cut(by_id[x.prompt_id].prompt) if x.prompt_id in by_id else None,
                 sample=x.sample,
-                response=x.response,
+                response=cut(x.response, RESPONSE_CHARS) or "",
                 response_tokens=x.response_tokens,
                 finish_reason=x.finish_reason,
                 acc=x.acc,
@@ -211,10 +212,6 @@ class Evaluator:
             report.seconds,
         )
         return result
-
-
-def _cut(text: str, limit: int = 4000) -> str:
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def token_versions(version: int, runs: list[tuple[int, int]] | None) -> dict[str, Any]:

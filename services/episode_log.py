@@ -19,19 +19,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from services.schemas import Sample, ScoredGroup
+from services.schemas import PROMPT_CHARS, Sample, ScoredGroup
+from services.snapshots import write_atomic
 
 log = logging.getLogger(__name__)
 FORMAT = 1
 META = "meta.json"
-PROMPT_CHARS = 4000  # a longer prompt is cut there (with "…"): the viewer shows text, it is not a dataset copy
 TRUTH_CHARS = 1000
 
 
@@ -51,10 +50,6 @@ def expand(pairs: Sequence[Sequence[Any]] | None, n: int, default: Any) -> list[
     if not pairs:
         return [default] * n
     return [v for v, k in pairs for _ in range(int(k))]
-
-
-def _cut(text: str | None, limit: int) -> str | None:
-    return text if text is None or len(text) <= limit else text[:limit] + "…"
 
 
 def _r(xs: Any) -> list[float]:
@@ -77,7 +72,7 @@ def sample_record(
     return {
         "reward": round(float(reward), 4),
         "acc": bool(acc),
-        "pred": _cut(pred, 200),
+        "pred": cut(pred, 200),
         "advantage": None if advantage is None else round(float(advantage), 4),
         "finish": s.finish_reason,
         "text": s.response_text,
@@ -112,14 +107,39 @@ def group_record(
         "group_id": g.group_id,
         "prompt_id": t.prompt_id,
         "task": t.data_source,
-        "prompt": _cut(t.prompt, PROMPT_CHARS),
-        "ground_truth": _cut(t.ground_truth, TRUTH_CHARS),
+        "prompt": cut(t.prompt),
+        "ground_truth": cut(t.ground_truth, TRUTH_CHARS),
         "replica": g.replica_id,
         "created_at": g.created_at,
         "samples": samples
         if samples is not None
         else [sample_record(s, sc.reward, sc.acc, sc.pred) for s, sc in zip(g.samples, g.scores, strict=True)],
     }
+
+
+def cut(text: str | None, limit: int = PROMPT_CHARS) -> str | None:
+    """`text` at most `limit` characters, and "…" where it was cut."""
+    return text if text is None or len(text) <= limit else text[:limit] + "…"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of a JSON-lines file another process may be appending to: a last line without its newline
+    (being written) and a line that is no JSON object are left out; [] without the file."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return []
+    out = []
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
 
 
 class EpisodeLog:
@@ -150,32 +170,42 @@ class EpisodeLog:
 
     def write(self, name: str, records: list[dict[str, Any]], *, version: int, replace: bool = False) -> int:
         """Append `records` to `name` (`replace`: the file becomes them, written whole then renamed: a batch trained
-        again after a crash records itself once). Returns the bytes written (0 once the bound is reached)."""
+        again after a crash records itself once). Returns the bytes written. The bound is checked record by record
+        as they are encoded: at the bound, what fits is written and recording stops."""
         if self.stopped or not records:
             return 0
-        data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
         path = self.dir / name
         before = path.stat().st_size if replace and path.exists() else 0
-        if self.bytes - before + len(data) > self.limit:
-            self.stopped = True
-            self.meta["stopped_at"] = version
-            self._write_meta()
-            log.warning(
-                "episode recording stopped at version %d: %s holds %.0f MB, the bound (raise --record-episodes-mb)",
-                version,
-                self.dir,
-                self.bytes / 2**20,
-            )
+        room = self.limit - (self.bytes - before)
+        lines: list[str] = []
+        size = 0
+        for r in records:
+            line = json.dumps(r, separators=(",", ":")) + "\n"  # ASCII (ensure_ascii): characters are bytes
+            if size + len(line) > room:
+                self._stop(version)
+                break
+            lines.append(line)
+            size += len(line)
+        if not lines and not replace:
             return 0
         if replace:
-            tmp = path.with_name(f".{name}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            write_atomic(path, "".join(lines))
         else:
-            with path.open("ab") as f:
-                f.write(data)
-        self.bytes += len(data) - before
-        return len(data)
+            with path.open("a") as f:
+                f.write("".join(lines))
+        self.bytes += size - before
+        return size
+
+    def _stop(self, version: int) -> None:
+        self.stopped = True
+        self.meta["stopped_at"] = version
+        self._write_meta()
+        log.warning(
+            "episode recording stopped at version %d: %s holds %.0f MB, the bound (raise record_episodes_mb)",
+            version,
+            self.dir,
+            self.bytes / 2**20,
+        )
 
     def _meta(self) -> dict[str, Any]:
         try:
@@ -184,6 +214,4 @@ class EpisodeLog:
             return {}
 
     def _write_meta(self) -> None:
-        tmp = self.dir / f".{META}.tmp"
-        tmp.write_text(json.dumps(self.meta, indent=1))
-        os.replace(tmp, self.dir / META)
+        write_atomic(self.dir / META, json.dumps(self.meta, indent=1))

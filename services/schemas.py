@@ -335,6 +335,10 @@ class ReplicaHeartbeat(Message):
     timestamp: float = Field(default_factory=time.time)
 
 
+PROMPT_CHARS = 4000  # a recorded prompt (services/episode_log.py, EvalSampleRecord) is cut there, with "…"
+RESPONSE_CHARS = 16000  # and a held-out response: the records are for reading, not a copy of the data
+
+
 class EvalSampleRecord(BaseModel):
     """One held-out sample of an evaluation, for people to read (`dapo-mesh view`)."""
 
@@ -342,9 +346,11 @@ class EvalSampleRecord(BaseModel):
 
     prompt_id: str
     task: str = Field(description="The item's data source.")
-    prompt: str | None = Field(None, max_length=4001, description="The prompt text, cut at 4,000 characters.")
+    prompt: str | None = Field(
+        None, max_length=PROMPT_CHARS + 1, description="The prompt text, cut at PROMPT_CHARS characters."
+    )
     sample: int = Field(ge=0, description="Which of the item's k samples.")
-    response: str
+    response: str = Field(max_length=RESPONSE_CHARS + 1, description="The response, cut at RESPONSE_CHARS characters.")
     response_tokens: int = Field(ge=0)
     finish_reason: str
     acc: bool

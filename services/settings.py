@@ -42,14 +42,14 @@ def redact_url(url: str) -> str:
     return _URL_PASSWORD.sub(r"\1:***@", url)
 
 
-def _redact(value: Any) -> Any:
+def redact(value: Any) -> Any:
     """URL passwords replaced by stars in strings, at any depth of dicts and lists (SecretStr dumps as stars)."""
     if isinstance(value, str):
         return redact_url(value) if "://" in value else value
     if isinstance(value, dict):
-        return {k: _redact(v) for k, v in value.items()}
+        return {k: redact(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_redact(v) for v in value]
+        return [redact(v) for v in value]
     return value
 
 
@@ -109,7 +109,7 @@ class DapoSettings(BaseSettings):
 
     def redacted(self) -> dict[str, Any]:
         """The settings as JSON-able values, secrets and URL passwords (at any depth) replaced by stars."""
-        out: dict[str, Any] = _redact(self.model_dump(mode="json"))
+        out: dict[str, Any] = redact(self.model_dump(mode="json"))
         return out
 
     def secret_values(self) -> list[str]:

@@ -103,8 +103,11 @@ def table_of(run_dir: Path, version: int) -> list[list[Any]]:
     groups = [
         json.loads(x) for x in (RunLayout(run_dir).episodes[0] / f"v{version:06d}.jsonl").read_text().splitlines()
     ]
-    rows = [[version, g["task"], g["prompt"], s["text"], s["reward"], s["acc"], s["advantage"]] for g in groups
-            for s in g["samples"]]  # fmt: skip
+    rows = [
+        [version, g["task"], g["prompt"], s["text"], s["reward"], s["acc"], s["advantage"]]
+        for g in groups
+        for s in g["samples"]
+    ]
     return rows[:16]
 
 
@@ -157,17 +160,21 @@ def viewer(run: Path) -> Iterator[str]:
 
 
 @pytest.mark.slow
-def test_the_viewer_api_wants_the_token_and_pages_within_a_second(viewer: str) -> None:
+def test_the_viewer_api_wants_the_token_and_pages_every_sample(viewer: str) -> None:
     assert httpx.get(f"{viewer}/api/run", timeout=5).status_code == 401
     auth = {"Authorization": "Bearer viewer-secret"}
     run = httpx.get(f"{viewer}/api/run", headers=auth, timeout=5).json()
     assert set(run["outcomes"]) >= {"trained", "held-out"}
-    t0 = time.perf_counter()
-    page = httpx.get(f"{viewer}/api/episodes", params={"size": 50}, headers=auth, timeout=5).json()
-    assert page["total"] == run["samples"] and len(page["rows"]) == min(50, run["samples"])
-    assert time.perf_counter() - t0 < 5  # generous: the measured number is in the benchmark
+    seen = []
+    for n in range(100):
+        page = httpx.get(f"{viewer}/api/episodes", params={"size": 50, "page": n}, headers=auth, timeout=5).json()
+        assert page["total"] == run["samples"]
+        seen += [r["id"] for r in page["rows"]]
+        if len(page["rows"]) < 50:
+            break
+    assert len(seen) == len(set(seen)) == run["samples"]  # the pages hold every sample once (timings: bench)
     bad = httpx.get(f"{viewer}/api/episodes/..%2F..%2Fetc%2Fpasswd:0:0", headers=auth, timeout=5)
-    assert bad.status_code == 404 and "no recorded file" in bad.text
+    assert bad.status_code == 404 and "no recorded episode" in bad.text
 
 
 @pytest.mark.slow
@@ -186,7 +193,10 @@ def test_the_viewer_in_a_real_browser(viewer: str, tmp_path: Path) -> None:
             rows = page.locator("#list tbody tr")
             assert rows.count() > 0
 
-            every = "([k, v]) => { const rs = [...document.querySelectorAll('#list tbody tr')]; return rs.length > 0 && rs.every(r => r.dataset[k] === v); }"  # noqa: E501
+            every = (
+                "([k, v]) => { const rs = [...document.querySelectorAll('#list tbody tr')]; "
+                "return rs.length > 0 && rs.every(r => r.dataset[k] === v); }"
+            )
             outcomes = set(rows.evaluate_all("rs => rs.map(r => r.dataset.outcome)"))
             assert len(outcomes) > 1  # the first page, unfiltered, holds more than one outcome
             for outcome in ("held-out", "trained"):

@@ -36,8 +36,18 @@ def write_run(
     ]
     for v, acc, pass_k in evals:  # the first evaluation takes 60 s from the start; then one every 10 minutes
         stamp = {"eval_at": START + 60 + v * 300 - (60 if v else 0)} if stamped else {}
-        rows.append({"kind": "eval", "step": v, "policy_version": v, "eval_acc": acc, "eval_pass_at_k": pass_k,
-                     "eval_k": 4, "eval_seconds": 60.0, **stamp})  # fmt: skip
+        rows.append(
+            {
+                "kind": "eval",
+                "step": v,
+                "policy_version": v,
+                "eval_acc": acc,
+                "eval_pass_at_k": pass_k,
+                "eval_k": 4,
+                "eval_seconds": 60.0,
+                **stamp,
+            }
+        )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if config is not None:
         (run_dir / "config.json").write_text(json.dumps({"preset": preset, "config": config}))
@@ -47,8 +57,15 @@ def write_run(
 
 
 def config(run_dir: Path, seed: int, clip_high: float) -> dict[str, Any]:
-    return {"steps": 4, "seed": seed, "run_dir": str(run_dir), "lr": 1e-6, "dataset": "reasoning_gym:chain_sum",
-            "learner": {"clip_high": clip_high, "clip_low": 0.2}, "buffer": {"max_staleness": 1}}  # fmt: skip
+    return {
+        "steps": 4,
+        "seed": seed,
+        "run_dir": str(run_dir),
+        "lr": 1e-6,
+        "dataset": "reasoning_gym:chain_sum",
+        "learner": {"clip_high": clip_high, "clip_low": 0.2},
+        "buffer": {"max_staleness": 1},
+    }
 
 
 ARM_A = {1: (0.25, 0.40, 0.5), 2: (0.31, 0.44, 0.6), 3: (0.38, 0.36, 0.7)}  # seed: (avg@k at v2, final, final pass@k)

@@ -79,10 +79,14 @@ def test_a_file_replaced_whole_is_read_again(tmp_path: Path) -> None:
     index = Index(root)
     index.refresh(force=True)
     log = EpisodeLog(RunLayout(root).episodes[0], fraction=1, max_mb=8)
-    log.write("v000001.jsonl", [group_record(group("z", n=1), "trained", 1)], version=1, replace=True)
+    old = [e.id for e in index.entries() if e.outcome == "trained"]
+    bigger = [group_record(group("z", n=1), "trained", 1), group_record(group("y", n=2), "trained", 1)]
+    log.write("v000001.jsonl", bigger, version=1, replace=True)  # larger than before: read again by its inode
     index.refresh(force=True)
     trained = [e for e in index.entries() if e.outcome == "trained"]
-    assert len(trained) == 1 and index.record(trained[0].id)[0]["group_id"] == "z"
+    assert len(trained) == 3 and index.record(trained[0].id)[0]["group_id"] == "z"
+    with pytest.raises(HTTPException):
+        index.record(old[1])  # an id of the file it replaced: its line now holds one sample
 
 
 @pytest.mark.parametrize("bad", ["../../etc/passwd:0:0", "learner/../../x.jsonl:0:0", "learner/v9.jsonl:0:0", "x"])
