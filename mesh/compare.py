@@ -42,6 +42,8 @@ IGNORED = ("seed", "run_dir", "trackers", "linger_s")  # what may differ between
 def ignored(key: str) -> bool:
     """A config key (dotted) that does not make another arm: the seed, where the run went, how it was watched."""
     return key in IGNORED or key.startswith("tracking.")
+
+
 DEFAULT_GAIN = 0.20  # held-out avg@k points over the first evaluation that "time to gain" waits for
 _SEED = re.compile(r"^(?P<name>.+)-seed(?P<seed>\d+)$")
 

@@ -230,16 +230,38 @@ class Pieces:
         return out
 
     def _load(self) -> None:
+        """The `tokenizers` file of the model (0.2 s), else transformers' AutoTokenizer (seconds: its import)."""
         path = self.model_dir()
         if path is None or not path.exists():
             self.error = f"no tokenizer: {path or 'learner/episodes/meta.json names no model'} (use --tokenizer)"
             return
         try:
-            from transformers import AutoTokenizer
+            if (path / "tokenizer.json").exists():
+                from tokenizers import Tokenizer
 
-            self.tok = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:
+                self.tok = _Fast(Tokenizer.from_file(str(path / "tokenizer.json")))
+            else:
+                from transformers import AutoTokenizer
+
+                self.tok = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 (any failure to load: the page shows token ids and says why)
             self.error = f"no tokenizer in {path}: {e}"
+
+    def warm(self) -> None:
+        """Load the tokenizer now (a thread at start-up), not at the first episode opened."""
+        with self.lock:
+            if self.tok is None and not self.error:
+                self._load()
+
+
+class _Fast:
+    """A `tokenizers.Tokenizer` with the one method the viewer uses, as transformers' tokenizers have it."""
+
+    def __init__(self, tok: Any):
+        self.tok = tok
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=False))
 
 
 class Page(BaseModel):
@@ -253,6 +275,8 @@ def create_viewer(s: ViewerSettings) -> Any:
     registry = CollectorRegistry()
     index = Index(s.run_dir)
     pieces = Pieces(index.layout, s.tokenizer)
+    threading.Thread(target=pieces.warm, name="tokenizer", daemon=True).start()
+    threading.Thread(target=index.refresh, name="index", daemon=True).start()  # the first page finds it built
     app = create_app("viewer", s, registry, ready=lambda: (s.run_dir.is_dir(), str(s.run_dir)))
     api = APIRouter(prefix="/api", dependencies=[Depends(require_token)])
     app.state.index = index
