@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mesh.compare import DEFAULT_GAIN, compare, eval_rows, finite, metric_rows, sample_std, welch
+from mesh.compare import DEFAULT_GAIN, eval_rows, finite, metric_rows, sample_std, welch
+from mesh.compare_report import compare
 from mesh.config import MeshConfig
 from mesh.curves import Curve, plot_ablation
 from mesh.layout import RunLayout

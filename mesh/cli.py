@@ -308,7 +308,7 @@ def compare(
     avg@k and pass@k (mean ± standard error over seeds), wall time, time to gain, versions trained, the difference
     from the first arm (Welch); the config keys that differ between arms. Also `dapo-mesh ablate` writes it."""
     from mesh.compare import NotARun
-    from mesh.compare import compare as run_compare
+    from mesh.compare_report import compare as run_compare
     from mesh.compare_report import table
 
     try:

@@ -1,7 +1,7 @@
 """`dapo-mesh compare RUN_DIR...`: runs side by side, grouped into arms, with their spread over seeds.
 
     dapo-mesh compare .dapo/ablate/dapo-seed* .dapo/ablate/grpo-seed* [--out DIR] [--gain 0.2] [--json]
-    compare([Path("a-seed1"), Path("a-seed2"), Path("b-seed1")], out=Path("cmp"), gain=0.2)  # -> Comparison
+    comparison([Path("a-seed1"), Path("b-seed1")], gain=0.2)  # -> Comparison; compare_report.compare writes it
 
 A run is a run directory of `dapo-mesh up` (its metrics.jsonl; config.json and cpu.json when it has them) or a copy
 of a metrics.jsonl named NAME.metrics.jsonl, as the docs keep them. Runs whose configs are equal but for `seed` and
@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mesh.compare_report import draw, markdown
 from mesh.layout import RunLayout
 
 IGNORED = ("seed", "run_dir", "trackers", "linger_s")  # what may differ between the runs of one arm
@@ -315,17 +314,11 @@ def summarize(label: str, runs: list[Run], gain: float, first: list[Run] | None)
     )
 
 
-def compare(run_dirs: list[Path], out: Path | None, gain: float = DEFAULT_GAIN) -> Comparison:
-    """Read, group and summarize the runs; with `out`, write compare.md, compare.json and compare.png there."""
+def comparison(run_dirs: list[Path], gain: float = DEFAULT_GAIN) -> Comparison:
+    """Read, group and summarize the runs (mesh/compare_report.py's `compare` writes them out)."""
     runs = [read(p) for p in run_dirs]
     groups, differs = group(runs)
     first = groups[0][1] if groups else None
     arms = [summarize(label, rs, gain, None if rs is first else first) for label, rs in groups]
     ks = {r.k for r in runs}
-    result = Comparison(gain, ks.pop() if len(ks) == 1 else None, arms, differs)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compare.md").write_text(markdown(result) + "\n")
-        (out / "compare.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
-        draw(result, out / "compare.png")
-    return result
+    return Comparison(gain, ks.pop() if len(ks) == 1 else None, arms, differs)

@@ -11,12 +11,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mesh.compare import DEFAULT_GAIN, Arm, Comparison, Run, comparison
 from mesh.curves import _save
 
 if TYPE_CHECKING:
     from rich.table import Table
-
-    from mesh.compare import Arm, Comparison, Run
 
 CLOCKS = {  # Run.clock -> how its minutes were found (mesh/compare.py's docstring)
     "eval_at": "the evaluations' timestamps",
@@ -166,3 +165,14 @@ def _overlay(ax: Any, runs: list[dict[int, Any]], style: dict[str, Any], label: 
         for key in shared
     ]
     ax.plot(*zip(*mean, strict=True), linewidth=2.5, marker="o" if len(mean) < 30 else None, label=label, **style)
+
+
+def compare(run_dirs: list[Path], out: Path | None, gain: float = DEFAULT_GAIN) -> Comparison:
+    """The runs compared (mesh/compare.py); with `out`, compare.md, compare.json and compare.png written there."""
+    result = comparison(run_dirs, gain)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.md").write_text(markdown(result) + "\n")
+        (out / "compare.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        draw(result, out / "compare.png")
+    return result

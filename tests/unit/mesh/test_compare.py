@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from mesh.compare import NotARun, compare, flatten
+from mesh.compare import NotARun, flatten
+from mesh.compare_report import compare
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 CONFIGS = DOCS.parent / "configs"
