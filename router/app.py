@@ -10,10 +10,10 @@
 The router holds no session state and no credential: a session id names its replica (services/session_keys.py),
 so any router routes any session and a restarted one loses nothing; each replica checks the credentials itself.
 Answers pass through as they come (a stream as it streams; 429 and its Retry-After as they are). A session whose
-replica is gone (its heartbeat expired, or it does not answer) is a 410 that says so: the session is lost with its
-replica, the client opens a new one (its task goes back to the stream: another replica reclaims it). A replica that
-dropped a call but answers is a 502 (retried by the SDK); a call of no session is sent to another replica only if
-the first did not take it.
+replica is gone (its heartbeat expired, or its gateway takes no connection) is a 410 that says so: the session is
+lost with its replica, the client opens a new one (its task goes back to the stream: another replica reclaims it).
+A replica that dropped a call but takes connections (slow or busy, on a loaded machine) is a 502 (retried by the
+SDK); a call of no session is sent to another replica only if the first did not take it.
 """
 
 from __future__ import annotations
@@ -108,13 +108,20 @@ class Router:
         req = self.http.build_request(request.method, url, params=request.query_params, content=body, headers=headers)
         return await self.http.send(req, stream=True)
 
-    async def alive(self, replica: Replica) -> bool:
-        """Whether the replica's gateway answers at all (after it dropped a call: restarted, or killed)."""
+    async def gone(self, replica: Replica) -> bool:
+        """After it dropped a call: whether the replica is gone — nothing takes a connection at its gateway's address
+        (killed, or its host away). Only that is proof: a gateway that takes the connection but is slow to answer,
+        or answers an error, is a loaded or busy replica (its engine loop holds the GIL on a loaded machine), and
+        its session is not lost: the call is retried (a 502). A replica that is really gone soon refuses
+        connections or loses its heartbeat, and the retry gets the 410."""
         assert self.http is not None
         try:
-            return (await self.http.get(replica.url + "/healthz", timeout=2.0)).status_code == 200
+            await self.http.get(replica.url + "/healthz", timeout=httpx.Timeout(10.0, connect=self.s.connect_timeout_s))
+        except UNREACHED:
+            return True
         except httpx.HTTPError:
             return False
+        return False
 
     async def open_session(self, request: Request, body: bytes) -> Response:
         """A new session: the best placement first; a replica full, unreachable or failing passes it to the next
@@ -154,9 +161,9 @@ class Router:
             why = f"replica {replica.replica_id} did not answer within {self.s.call_timeout_s:g} s"
             return error(504, why, "replica_timeout", retry_after=5)
         except httpx.HTTPError as e:
-            if not await self.alive(replica):
+            if await self.gone(replica):
                 self.m.gone.inc()
-                return gone(sid, f"replica {replica.replica_id} dropped the call and does not answer")
+                return gone(sid, f"replica {replica.replica_id} dropped the call and takes no connection")
             why = f"replica {replica.replica_id} dropped the call ({type(e).__name__}); retry"
             return error(502, why, "replica_dropped", retry_after=1)
 
