@@ -14,6 +14,15 @@ class BufferMetrics:
         )
         self.received = Counter("dapo_buffer_groups_received", "Scored groups received.", registry=r)
         self.kept = Counter("dapo_buffer_groups_kept", "Groups kept for a batch.", registry=r)
+        self.samples_generated = Counter(
+            "dapo_buffer_samples_generated",
+            "Samples generated for the groups received (down-sampled ones included): over samples_trained, the "
+            "generated samples per trained sample.",
+            registry=r,
+        )
+        self.samples_trained = Counter(
+            "dapo_buffer_samples_trained", "Samples in the batches published to the learner.", registry=r
+        )
         self.filtered = Counter("dapo_buffer_groups_filtered", "Groups dropped, by reason.", ["reason"], registry=r)
         self.pass_rate = Histogram(
             "dapo_buffer_pass_rate",

@@ -43,7 +43,7 @@ from buffer.settings import BufferSettings
 from services.datasets import Item, Source, distinct_prompts
 from services.episode_log import EpisodeLog, group_record
 from services.lease import Lease
-from services.schemas import DroppedGroup, PromptTask, ScoredGroup, TrainBatch
+from services.schemas import DroppedGroup, PromptTask, SamplingBudget, ScoredGroup, TrainBatch
 from services.stream_admin import safe_trim, stream_stats
 from services.streams import (
     DEAD_LETTER_STREAM,
@@ -217,7 +217,7 @@ class Buffer:
                     continue
                 tasks.append(self.task(item, epoch, position, version))
         if scanned:
-            self._publish_tasks(tasks)
+            self._publish_tasks(self.with_budgets(tasks))
         sent = len(tasks)
         if exhausted:
             self.status = f"dataset exhausted after {self.s.max_epochs} epochs"
@@ -253,23 +253,46 @@ class Buffer:
             dispatch_version=version,
         )
 
+    def with_budgets(self, tasks: list[PromptTask]) -> list[PromptTask]:
+        """signal/balanced: each task's budget, its give-up chance the prediction of its prompt's history (else its
+        class's, else `sampling_give_up`) that its group stays uniform (docs: services/sampling-budgets.md)."""
+        s = self.s
+        if s.sampling_rule == "fixed" or not tasks:
+            return tasks
+        out = []
+        known = self.histories([(t.prompt_id, t.data_source, t.ground_truth) for t in tasks])
+        for t, (st, cls) in zip(tasks, known, strict=True):
+            _, q = self.prediction(st, cls)
+            first = s.budget_first
+            budget = SamplingBudget(
+                rule=s.sampling_rule,
+                first=first,
+                round=s.sampling_round or first,
+                most=s.budget_most,
+                give_up=s.sampling_give_up if q is None else q,
+            )
+            out.append(t.model_copy(update={"budget": budget}))
+        return out
+
     def choose(self, slots: list[tuple[Item, int, int]]) -> list[bool]:
         """Which of these dispatch slots (item, epoch, position) go out: all of them with `uniform`; with
         `curriculum`, each with its chance from its prompt's state, or its class's when it has none
         (buffer/curriculum.py), seeded per slot."""
         if self.s.dispatch_policy == "uniform" or not slots:
             return [True] * len(slots)
-        items = [item for item, _, _ in slots]
-        states = self.states.get([it.prompt_id for it in items])
-        kinds = [
-            None if st else self.klass(it.data_source, it.ground_truth) for it, st in zip(items, states, strict=True)
+        known = self.histories([(it.prompt_id, it.data_source, it.ground_truth) for it, _, _ in slots])
+        return [
+            decide(self.chance(st, cls), self.cursor.seed, epoch, position)
+            for (_, epoch, position), (st, cls) in zip(slots, known, strict=True)
         ]
+
+    def histories(self, prompts: list[tuple[str, str, str]]) -> list[tuple[PromptState | None, ClassState | None]]:
+        """Each (prompt id, data source, ground truth)'s state, and its class's where it has none (two reads)."""
+        states = self.states.get([pid for pid, _, _ in prompts])
+        kinds = [None if st else self.klass(src, gt) for (_, src, gt), st in zip(prompts, states, strict=True)]
         names = sorted({k for k in kinds if k})
         classes = dict(zip(names, self.states.classes(names), strict=True))
-        return [
-            decide(self.chance(st, classes.get(k) if k else None), self.cursor.seed, epoch, position)
-            for (_, epoch, position), st, k in zip(slots, states, kinds, strict=True)
-        ]
+        return [(st, classes.get(k) if k else None) for st, k in zip(states, kinds, strict=True)]
 
     def klass(self, data_source: str, ground_truth: str) -> str | None:
         return difficulty_class(data_source, ground_truth, self.s.curriculum_shared)
@@ -318,6 +341,7 @@ class Buffer:
             self._drop(d, "duplicate", version)
             return
         self.m.received.inc()
+        self.m.samples_generated.inc(g.drawn)
         self.m.pass_rate.observe(pass_rate(g))
         self.learn(g)
         if is_stale(g, version, self.s.max_staleness):
@@ -442,5 +466,6 @@ class Buffer:
         self.m.fill_seconds.observe(now - self.last_batch_at)
         self.last_batch_at = now
         self.m.batches.inc()
+        self.m.samples_trained.inc(sum(len(d.message.samples) for d in take))
         log.info("batch %d: %d groups, versions %d..%d", batch_id, len(take), batch.min_version, batch.max_version)
         return batch

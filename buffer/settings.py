@@ -69,6 +69,28 @@ class BufferSettings(ServiceSettings, RedisSettings):
     curriculum_class_decay: float = Field(
         0.95, ge=0, le=1, description="curriculum: weight of a class's older first groups, per newer one."
     )
+    sampling_rule: Literal["fixed", "signal", "balanced"] = Field(
+        "fixed",
+        description="How many samples each prompt gets (docs: services/sampling-budgets.md): fixed: n_samples in "
+        "one round; signal: rounds until a right and a wrong answer, topped up to n_samples; balanced: rounds until "
+        "n_samples/2 of each, down-sampled to n_samples.",
+    )
+    sampling_first: int | None = Field(
+        None, ge=1, le=1024, description="signal/balanced: samples in a prompt's first round (unset: n_samples / 2)."
+    )
+    sampling_round: int | None = Field(
+        None, ge=1, le=1024, description="signal/balanced: samples each later round adds (unset: sampling_first)."
+    )
+    sampling_most: int | None = Field(
+        None, ge=1, le=1024, description="signal/balanced: samples drawn for a prompt at most (unset: 2 x n_samples)."
+    )
+    sampling_give_up: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="signal/balanced: chance of giving a prompt up when its first round agrees, where neither its "
+        "history nor its class's predicts (else their predicted chance that its group stays uniform).",
+    )
     continuous_rewards: bool = Field(False, description="Filter on reward std instead of accuracy.")
     reward_std_threshold: float = Field(0.0, ge=0, description="With continuous rewards: keep if std > this.")
     degenerate_cap: int | None = Field(
@@ -97,6 +119,27 @@ class BufferSettings(ServiceSettings, RedisSettings):
         description="One buffer leads (a lease in Redis, renewed every third of this); another waits this long "
         "after the leader stops without giving it up (kill -9, a partition) before it takes over.",
     )
+
+    @model_validator(mode="after")
+    def _budget_fits(self) -> Self:
+        if self.sampling_rule == "fixed":
+            return self
+        if self.continuous_rewards:
+            raise ValueError("sampling_rule: rounds look for right and wrong answers; continuous_rewards has none")
+        first, most = self.budget_first, self.budget_most
+        if first > most or self.n_samples > most:
+            raise ValueError(
+                f"sampling_most {most} must be at least n_samples ({self.n_samples}) and sampling_first ({first})"
+            )
+        return self
+
+    @property
+    def budget_first(self) -> int:
+        return self.sampling_first or max(1, self.n_samples // 2)
+
+    @property
+    def budget_most(self) -> int:
+        return self.sampling_most or 2 * self.n_samples
 
     @model_validator(mode="after")
     def _curriculum_predicts_the_filter(self) -> Self:

@@ -30,6 +30,8 @@ class BatchTensors:
     truncated: torch.Tensor  # [N] bool
     versions: torch.Tensor  # [N, T] long: policy version that sampled each response token (0 elsewhere)
     temperature: torch.Tensor  # [N] float: the sampling temperature, applied to the learner's logits (greedy: 1)
+    pool_mean: torch.Tensor | None = None  # [N] float: the group's baseline over every sample drawn (NaN: none)
+    pool_std: torch.Tensor | None = None  # [N] float: ... its spread (GroupSampling, the balanced rule)
     # filled in by the trainer before the updates:
     old_logp: torch.Tensor | None = None  # [N, T] log-probs under the weights before this batch
     advantages: torch.Tensor | None = None  # [N]
@@ -57,8 +59,10 @@ class BatchTensors:
 def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None) -> BatchTensors:
     """`tokenize` is used only for prompts that arrive as text without token ids."""
     rows: list[tuple[list[int], list[int], list[float], list[int], list[int]]] = []
-    rewards, groups, truncated, temps = [], [], [], []
+    rewards, groups, truncated, temps, pool_mean, pool_std = [], [], [], [], [], []
+    nan = float("nan")
     for gi, group in enumerate(batch.groups):
+        pooled = group.sampling if group.sampling is not None and group.sampling.pool_mean is not None else None
         task = group.task
         if task.prompt_token_ids is not None:
             prompt = task.prompt_token_ids.tolist()
@@ -73,6 +77,8 @@ def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None)
             groups.append(gi)
             truncated.append(sample.truncated)
             temps.append(sample.temperature if sample.temperature > 0 else 1.0)
+            pool_mean.append(pooled.pool_mean if pooled is not None else nan)
+            pool_std.append(pooled.pool_std if pooled is not None and pooled.pool_std is not None else nan)
     width = max(len(p) + len(r) for p, r, _, _, _ in rows)
     n = len(rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -97,6 +103,8 @@ def to_tensors(batch: TrainBatch, pad_id: int, tokenize: Tokenize | None = None)
         torch.tensor(truncated, dtype=torch.bool),
         versions,
         torch.tensor(temps, dtype=torch.float32),
+        torch.tensor(pool_mean, dtype=torch.float32),
+        torch.tensor(pool_std, dtype=torch.float32),
     )
 
 

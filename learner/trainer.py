@@ -202,7 +202,9 @@ class Trainer:
         `self._gap` (per batch, and per version lag when the learner's `version` is given)."""
         s = self.s
         t = to_tensors(batch, self.pad_id, self._tokenize if self.tokenizer is not None else None)
-        t.advantages = group_advantages(t.rewards, t.group_index, normalize_std=s.normalize_std)
+        t.advantages = group_advantages(
+            t.rewards, t.group_index, normalize_std=s.normalize_std, pool_mean=t.pool_mean, pool_std=t.pool_std
+        )
         keep = (~t.truncated).float().unsqueeze(-1) if s.overlong_filter else 1.0
         t.loss_mask = t.response_mask * keep
         t.old_logp, self._entropy = self.logprobs(t, t.loss_mask)

@@ -341,6 +341,20 @@ class MeshConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _budget_fits_the_group(self) -> Self:
+        """The buffer's sampling budget against the mesh's n_samples (the section alone sees its default)."""
+        b = self.buffer
+        if b.sampling_rule == "fixed":
+            return self
+        first, most = b.sampling_first or max(1, self.n_samples // 2), b.sampling_most or 2 * self.n_samples
+        if first > most or self.n_samples > most:
+            raise ValueError(
+                f"buffer.sampling_most {most} must be at least n_samples ({self.n_samples}) and sampling_first "
+                f"({first})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _lora_is_served(self) -> Self:
         if self.lora_rank is not None and self.engine != "vllm":
             raise ValueError('lora_rank: the replicas serve adapters with vLLM\'s LoRA; set engine = "vllm"')

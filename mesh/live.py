@@ -142,7 +142,13 @@ def mesh_numbers(states: list[ServiceState]) -> dict[str, float]:
     serve_sum = value(states, "dapo_rollout_weight_serve_seconds_sum", prefix="rollout")
     serve_n = value(states, "dapo_rollout_weight_serve_seconds_count", prefix="rollout")
     samples = value(states, "dapo_rollout_samples_total", prefix="rollout")
+    generated = value(states, "dapo_buffer_samples_generated_total", prefix="buffer")
+    trained = value(states, "dapo_buffer_samples_trained_total", prefix="buffer")
     return {
+        "samples_generated": generated,
+        "samples_trained": trained,
+        "generated_per_trained": generated / trained if trained > 0 else math.nan,
+        **rounds_numbers(states),
         "groups_received": received,
         "groups_kept": kept,
         "epoch": value(states, "dapo_buffer_epoch", prefix="buffer", how="max"),
@@ -160,6 +166,32 @@ def mesh_numbers(states: list[ServiceState]) -> dict[str, float]:
         **curriculum_numbers(states),
         **episode_numbers(states),
         **gateway_numbers(states),
+    }
+
+
+def sampling_line(n: dict[str, float]) -> str:
+    """Generated samples per trained sample, and how groups sampled in rounds went (when they were)."""
+    line = f"samples: {_fmt(n.get('generated_per_trained'), '.2f')} generated per trained"
+    if "group_drawn_mean" in n:
+        line += (
+            f"   rounds: {n['group_drawn_mean']:.1f} samples and {n['group_rounds_mean']:.1f} rounds a group, "
+            f"{n['groups_given_up_frac']:.0%} given up, {n['samples_down_sampled']:.0f} down-sampled"
+        )
+    return line
+
+
+def rounds_numbers(states: list[ServiceState]) -> dict[str, float]:
+    """Groups sampled in rounds (empty when none was): samples drawn and rounds per group, given up, down-sampled."""
+    groups = value(states, "dapo_rollout_group_samples_drawn_count", prefix="rollout")
+    if not groups > 0:  # none, or NaN: no replica has the metric
+        return {}
+    drawn = value(states, "dapo_rollout_group_samples_drawn_sum", prefix="rollout")
+    rounds = value(states, "dapo_rollout_group_rounds_sum", prefix="rollout")
+    return {
+        "group_drawn_mean": drawn / groups,
+        "group_rounds_mean": rounds / groups,
+        "groups_given_up_frac": value(states, "dapo_rollout_groups_given_up_total", prefix="rollout") / groups,
+        "samples_down_sampled": value(states, "dapo_rollout_samples_down_sampled_total", prefix="rollout"),
     }
 
 
@@ -345,4 +377,5 @@ class LiveView:
             parts.append(f"prompts by band: {bands}")
         if (gateway := gateway_line(n)) is not None:
             parts.append(gateway)
+        parts.append(sampling_line(n))
         return Group(*parts, health)

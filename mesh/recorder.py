@@ -165,5 +165,6 @@ def line(r: dict[str, Any], steps: int) -> str:
     return (
         f"step {r['step']}/{steps} (version {r['policy_version']}): reward {r['reward_mean']:+.3f}  "
         f"acc {r['acc_mean']:.3f}  entropy {r['entropy']:.3f}  clip {r.get('clip_frac_upper', 0.0):.3f}  "
-        f"filtered {r.get('filtered_frac', float('nan')):.0%}  {r['seconds']:.1f} s"
+        f"filtered {r.get('filtered_frac', float('nan')):.0%}  "
+        f"{r.get('generated_per_trained', float('nan')):.2f} generated per trained  {r['seconds']:.1f} s"
     )

@@ -28,12 +28,12 @@ class ChunkedLoop:
     def step(self) -> int:
         r = self.r
         r.membership.sync_weights()  # weights change only between engine calls
-        if r.publisher.held is not None:  # the reward server was down: nothing new until these are scored
+        if r.publisher.holding():  # the reward server was down: nothing new until these are scored
             r.consumer.keep_alive()
             if (wait := r.publisher.retry_in()) > 0:
                 time.sleep(min(0.5, wait))
                 return 0
-            return r.publisher.retry_held()
+            return r.publish()  # held groups, and rounds held (their next rounds then run below next step)
         r.evaluator.run_seeded(self.engine)
         for d in self.read():
             r.begin(d)

@@ -108,7 +108,7 @@ class ContinuousLoop:
         at once (its caller sees the groups out without a second's wait for prompts that may never come; the
         next step waits)."""
         r, runner = self.r, self.episodes
-        if r.publisher.held is not None or self.waiting_load or self.eval_waiting:
+        if r.publisher.holding() or self.waiting_load or self.eval_waiting:
             r.consumer.keep_alive()
             if not self.engine.in_flight():
                 time.sleep(0.1)  # held for a reward outage, nothing to step: no busy loop
@@ -124,11 +124,12 @@ class ContinuousLoop:
         began = False
         block_ms = (50 if self.gateway is not None else 1000) if idle else 0  # the gateway's calls wait less
         for d in r.consumer.read(count=count, block_ms=block_ms):
-            if runner.holds(d.entry_id):
+            if r.holds(d.entry_id):
                 continue  # our own entry again (a replay after a restart of the consumer): it is in flight
             if r.begin(d):
                 began = True
-                self.group_size = max(1, d.message.n_samples)
+                budget = d.message.budget  # sampled in rounds: its first round is what enters now
+                self.group_size = max(1, budget.first if budget is not None else d.message.n_samples)
         return began
 
     def advance_episodes(self) -> None:

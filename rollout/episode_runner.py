@@ -153,17 +153,21 @@ class EpisodeRunner:
             self._render_problem, self._render_checked = self.render.problem(), True
         return self._render_problem
 
-    def start(self, d: Delivery[PromptTask], params: SamplingParams, prompt: list[int] | None = None) -> None:
-        """The prompt's G episodes: an environment task's begin with their resets; a single-turn prompt's are
-        one-step episodes opening on `prompt` (its tokens), ready for their model turn at once."""
+    def start(
+        self, d: Delivery[PromptTask], params: SamplingParams, prompt: list[int] | None = None, n: int | None = None
+    ) -> None:
+        """The prompt's G episodes (`n`: that many instead, a round of a group sampled in rounds: rollout/rounds.py):
+        an environment task's begin with their resets; a single-turn prompt's are one-step episodes opening on
+        `prompt` (its tokens), ready for their model turn at once."""
         spec = env_task(d.message)
         env, body = spec if spec is not None else (ONE_STEP, {})
-        g = _Group(d, env, body, params, [None] * d.message.n_samples, one_step=spec is None)
+        count = d.message.n_samples if n is None else n
+        g = _Group(d, env, body, params, [None] * count, one_step=spec is None)
         self.groups.append(g)
         if g.one_step:
             if prompt is None:
                 raise ValueError("a single-turn prompt's episodes open on its tokens: `prompt` is missing")
-            for j in range(d.message.n_samples):
+            for j in range(count):
                 ep = Episode(ONE_STEP, list(prompt), one_step=True, temperature=params.temperature, top_p=params.top_p)
                 self._begin(lv := _Live(g, j, ep=ep))
                 self.ready.append(lv)
@@ -171,7 +175,7 @@ class EpisodeRunner:
         if self.render_problem:
             g.failed = self.render_problem  # dead-lettered with the reason at the next take_failed()
             return
-        for j in range(d.message.n_samples):
+        for j in range(count):
             self._reset(_Live(g, j))
 
     def _begin(self, lv: _Live) -> None:

@@ -29,6 +29,7 @@ class RolloutMetrics:
             registry=r,
         )
         self.groups = Counter("dapo_rollout_groups_published", "Scored groups published.", registry=r)
+        self._rounds(r)
         self.version = Gauge("dapo_rollout_weight_version", "Policy version of the weights held.", registry=r)
         self.sync_rounds = Counter("dapo_rollout_sync_rounds", "Weight broadcasts received and verified.", registry=r)
         self.sync_failures = Counter(
@@ -80,6 +81,32 @@ class RolloutMetrics:
         )
 
         self._episode_metrics(r)
+
+    def _rounds(self, r: CollectorRegistry) -> None:
+        """Groups sampled in rounds (rollout/rounds.py)."""
+        sizes = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+        self.group_drawn = Histogram(
+            "dapo_rollout_group_samples_drawn",
+            "Samples drawn per group sampled in rounds (a task with a budget), down-sampled ones included.",
+            registry=r,
+            buckets=sizes,
+        )
+        self.group_rounds = Histogram(
+            "dapo_rollout_group_rounds",
+            "Rounds per group sampled in rounds.",
+            registry=r,
+            buckets=(1, 2, 3, 4, 6, 8, 16),
+        )
+        self.given_up = Counter(
+            "dapo_rollout_groups_given_up",
+            "Groups given up after their first round agreed (a budget's give_up).",
+            registry=r,
+        )
+        self.down_sampled = Counter(
+            "dapo_rollout_samples_down_sampled",
+            "Samples drawn and left out of their group (the balanced rule).",
+            registry=r,
+        )
 
     def _episode_metrics(self, r: CollectorRegistry) -> None:
         """Episodes against the environment service (rollout/episode_runner.py)."""

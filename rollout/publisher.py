@@ -2,7 +2,7 @@
 
     publisher = Publisher(settings, consumer, reward, metrics)
     publisher.finish(runner, decode)     # either loop: the runner's finished groups out, its failed ones dead-lettered
-    if publisher.held is not None: ...   # a reward outage: admit nothing new
+    if publisher.holding(): ...          # a reward outage: admit nothing new
     publisher.retry_held()               # ... score them again once backed off
 
 Groups of episodes against an environment carry the environment's reward: published as they are. Groups of
@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rollout.engines.base import Completion
 from rollout.episode_runner import EpisodeRunner
@@ -62,6 +62,16 @@ class Generated:
         return Generated(d + other.deliveries, p + other.prompts, o + other.outs, v + other.versions)
 
 
+class Rounds(Protocol):
+    """Groups sampled in rounds (rollout/rounds.py, which uses this publisher's scoring: hence a protocol here)."""
+
+    retry_at: float
+
+    def settle(self, finished: list[tuple[Delivery[PromptTask], list[Episode]]], runner: Any, decode: Any) -> int: ...
+    def waiting(self) -> bool: ...
+    def forget(self, entry_id: str) -> None: ...
+
+
 class Publisher:
     def __init__(
         self,
@@ -74,10 +84,19 @@ class Publisher:
         self.held: Generated | None = None  # generated, held while the reward server is down
         self.retry_at, self.backoff_s = 0.0, REWARD_BACKOFF_S
         self.done = 0  # groups published
+        self.rounds: Rounds | None = None  # groups sampled in rounds (set by the replica)
+
+    def holding(self) -> bool:
+        """Groups or rounds wait for the reward server: the loop admits nothing new."""
+        return self.held is not None or (self.rounds is not None and self.rounds.waiting())
 
     def retry_in(self) -> float:
-        """Seconds until the held groups are scored again (<= 0: now)."""
-        return self.retry_at - time.monotonic()
+        """Seconds until the held groups (or held rounds) are scored again (<= 0: now)."""
+        now = time.monotonic()
+        waits = [self.retry_at - now] if self.held is not None else []
+        if self.rounds is not None and self.rounds.waiting():
+            waits.append(self.rounds.retry_at - now)
+        return min(waits) if waits else self.retry_at - now
 
     def retry_held(self) -> int:
         """The held groups scored and published once their backoff is over; the groups published."""
@@ -92,9 +111,15 @@ class Publisher:
         for d, kind, why in runner.take_failed():
             log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
             self.consumer.dead_letter([d], kind, why)
+            if self.rounds is not None:
+                self.rounds.forget(d.entry_id)  # its earlier rounds too: nothing of the prompt is published
         done = runner.take_finished()
+        published = 0
+        if self.rounds is not None:  # groups sampled in rounds: judged after each (rollout/rounds.py)
+            published += self.rounds.settle([x for x in done if x[0].message.budget is not None], runner, decode)
+            done = [x for x in done if x[0].message.budget is None]
         scored = [(d, eps) for d, eps in done if eps and eps[0].one_step]
-        published = self.publish_episodes([(d, eps) for d, eps in done if not (eps and eps[0].one_step)], decode)
+        published += self.publish_episodes([(d, eps) for d, eps in done if not (eps and eps[0].one_step)], decode)
         if not scored:
             return published
         gen = Generated.of(scored)
@@ -187,7 +212,8 @@ class Publisher:
             for _ in o:
                 r = next(results)
                 scores.append(Score(reward=r.score, acc=r.acc, overlong_penalty=r.overlong_penalty, pred=r.pred))
-            task = task.model_copy(update={"prompt_token_ids": TokenIds(prompt)})  # the learner trains on these
+            # the learner trains on these tokens; a round of a group sampled in rounds has fewer than n_samples
+            task = task.model_copy(update={"prompt_token_ids": TokenIds(prompt), "n_samples": len(samples)})
             groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id=self.s.replica_id))
         return groups
 

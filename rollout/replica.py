@@ -11,7 +11,7 @@
     episodes     every prompt's G samples as episodes: one-step for a single-turn prompt, against the
                  environment service for an env task (rollout/episode_runner.py): the one rollout path
     publisher    scoring, publishing with the acknowledgement, the reward-outage hold, dead letters
-                 (rollout/publisher.py)
+                 (rollout/publisher.py); a task with a budget sampled in rounds (rollout/rounds.py)
     evaluator    the held-out evaluation beside training (rollout/evaluator.py)
     consumer     the prompts (dapo:prompts, consumer group `rollout`): own pending entries first after a restart,
                  then entries another replica left idle, then new ones
@@ -37,6 +37,7 @@ from rollout.membership import Membership
 from rollout.metrics import RolloutMetrics
 from rollout.publisher import Publisher
 from rollout.reward_client import RewardClient
+from rollout.rounds import Rounds
 from rollout.settings import RolloutSettings
 from rollout.weight_receiver import WeightReceiver
 from services.schemas import CLIENT_SCORED, PromptTask
@@ -64,6 +65,7 @@ class Replica:
     evaluator: Evaluator
     metrics: RolloutMetrics
     episodes: EpisodeRunner
+    rounds: Rounds | None = None  # tasks with a budget, sampled in rounds (set by build)
 
     @classmethod
     def build(
@@ -84,7 +86,7 @@ class Replica:
             claim_idle_ms=s.claim_idle_ms,
             registry=metrics.registry,
         )
-        return cls(
+        replica = cls(
             s,
             consumer,
             Membership(s, client, engine, metrics, receiver),
@@ -93,6 +95,9 @@ class Replica:
             metrics,
             EpisodeRunner(s, engine.tokenizer, metrics),
         )
+        replica.rounds = Rounds(s, replica.publisher, metrics, lambda t: replica.call_params([t]))
+        replica.publisher.rounds = replica.rounds  # the publisher hands it the rounds that finish
+        return replica
 
     def begin(self, d: Delivery[PromptTask]) -> bool:
         """The prompt's G episodes begun (True); a malformed environment task, or a client-scored one (only a
@@ -109,8 +114,15 @@ class Replica:
             self.consumer.dead_letter([d], "env_task_invalid", str(e)[:500])
             return False
         prompt = None if spec is not None else self.prompt_ids(d.message, self.episodes.tok)
-        self.episodes.start(d, self.call_params([d.message]), prompt)
+        if d.message.budget is not None and self.rounds is not None:
+            self.rounds.begin(self.episodes, d, prompt)  # sampled in rounds (rollout/rounds.py)
+        else:
+            self.episodes.start(d, self.call_params([d.message]), prompt)
         return True
+
+    def holds(self, entry_id: str) -> bool:
+        """Whether the prompt of this stream entry is being rolled out here (in a round, or between two)."""
+        return self.episodes.holds(entry_id) or (self.rounds is not None and self.rounds.holds(entry_id))
 
     def publish(self) -> int:
         """Groups held for a reward outage scored again once backed off; then the groups the episodes finished,

@@ -111,6 +111,7 @@ def group_record(
         "ground_truth": cut(t.ground_truth, TRUTH_CHARS),
         "replica": g.replica_id,
         "created_at": g.created_at,
+        "sampling": None if g.sampling is None else g.sampling.model_dump(mode="json"),  # sampled in rounds
         "samples": samples
         if samples is not None
         else [sample_record(s, sc.reward, sc.acc, sc.pred) for s, sc in zip(g.samples, g.scores, strict=True)],

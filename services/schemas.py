@@ -36,6 +36,45 @@ class Message(BaseModel):
     schema_version: Literal[1] = SCHEMA_VERSION
 
 
+class SamplingBudget(BaseModel):
+    """How a prompt is sampled in rounds (rollout/rounds.py; docs: services/sampling-budgets.md). None on a task:
+    `fixed`, its n_samples in one round."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: Literal["signal", "balanced"] = Field(
+        description="signal: rounds until the group holds a right and a wrong answer, then topped up to n_samples "
+        "(every sample trained); balanced: rounds until it holds n_samples/2 of each, then down-sampled to "
+        "n_samples, advantages against the mean of every sample drawn (Reinforce-Ada-balance)."
+    )
+    first: int = Field(ge=1, le=1024, description="Samples in the first round (k).")
+    round: int = Field(ge=1, le=1024, description="Samples added by each later round.")
+    most: int = Field(ge=1, le=1024, description="Samples drawn for the prompt at most (every round counted).")
+    give_up: FiniteFloat = Field(
+        0.0, ge=0.0, le=1.0, description="Chance of giving the prompt up when its first round agrees (from history)."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.first > self.most:
+            raise ValueError(f"first: a first round of {self.first} passes the budget's most ({self.most})")
+        return self
+
+
+class GroupSampling(BaseModel):
+    """How a group sampled in rounds was drawn (set by the replica on a task with a budget)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rounds: int = Field(ge=1, description="Rounds sampled.")
+    drawn: int = Field(ge=1, description="Samples generated, down-sampled ones included.")
+    gave_up: bool = Field(False, description="Given up after its first round agreed.")
+    pool_mean: FiniteFloat | None = Field(
+        None, description="balanced: the mean reward of every sample drawn (the advantages' baseline)."
+    )
+    pool_std: FiniteFloat | None = Field(None, ge=0.0, description="balanced: their standard deviation (unbiased).")
+
+
 class PromptTask(Message):
     """One prompt to sample `n_samples` answers for (dispatched by the buffer)."""
 
@@ -52,12 +91,17 @@ class PromptTask(Message):
     data_source: str = Field(min_length=1)
     n_samples: int = Field(ge=1, le=1024, description="G, samples per prompt.")
     dispatch_version: int = Field(0, ge=0, description="Learner policy version when dispatched.")
+    budget: SamplingBudget | None = Field(None, description="Sampled in rounds (None: n_samples in one round).")
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
     def _has_prompt(self) -> Self:
         if not self.prompt and not self.prompt_token_ids:
             raise ValueError("prompt: a PromptTask needs `prompt` text or `prompt_token_ids`")
+        if self.budget is not None and self.budget.most < self.n_samples:
+            raise ValueError(
+                f"budget: most {self.budget.most} is below n_samples {self.n_samples}, the group's size to train"
+            )
         return self
 
 
@@ -194,7 +238,13 @@ class ScoredGroup(Message):
     samples: list[Sample] = Field(min_length=1)
     scores: list[Score] = Field(min_length=1)
     replica_id: str = Field(min_length=1)
+    sampling: GroupSampling | None = Field(None, description="How its rounds went (a task with a budget).")
     created_at: float = Field(default_factory=time.time)
+
+    @property
+    def drawn(self) -> int:
+        """Samples generated for this group (down-sampled ones included)."""
+        return self.sampling.drawn if self.sampling is not None else len(self.samples)
 
     @property
     def group_id(self) -> str:

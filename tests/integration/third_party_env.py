@@ -3,7 +3,9 @@ HTTP server and JSON, nothing of dapo-mesh. One environment, `guess` (a number f
 higher or lower), under another name if asked. With a token, every request must carry it (401 otherwise). `bug`
 makes it break one rule of the protocol, to show the conformance checker and the mesh notice: `retry` (a retried
 step runs again), `endless` (an episode that never ends), `proxy` (a reset answered with a proxy's HTML page, 200),
-`shape` (a reset answered with JSON of the wrong shape), `step_error` (every step answered with `error`).
+`shape` (a reset answered with JSON of the wrong shape), `step_error` (every step answered with `error`). `coin` is
+no bug: every episode ends at its first step, right (+1) with chance 0.35 whatever the answer, drawn from its
+episode id — outcomes that vary for a random model (groups sampled in rounds find both).
 
     with serve(bug=None, name="guess", token=None) as url: ...
 """
@@ -100,7 +102,7 @@ class Handler(BaseHTTPRequestHandler):
         secret = random.Random(body.get("seed", 0)).randint(1, 5)
         opening = {"episode_id": eid, "env": self.name, "task_id": f"secret-{secret}", "tools": [], "max_turns": 3,
                    "messages": [{"role": "user", "content": "Guess my number from 1 to 5."}]}  # fmt: skip
-        self.episodes[eid] = {"key": key, "opening": opening, "secret": secret, "turn": 0, "last": None}
+        self.episodes[eid] = {"key": key, "opening": opening, "secret": secret, "turn": 0, "last": None, "eid": eid}
         self.stats["resets"] += 1
         self._send(200, opening)
 
@@ -132,6 +134,9 @@ class Handler(BaseHTTPRequestHandler):
     def _judge(self, ep: dict[str, Any], text: str, turn: int) -> dict[str, Any]:
         if self.bug == "step_error":
             return {"messages": [], "done": True, "error": "the game's process died"}
+        if self.bug == "coin":
+            right = random.Random(ep["eid"]).random() < 0.35
+            return {"messages": [], "reward": 1.0 if right else -1.0, "done": True}
         numbers = re.findall(r"\d+", text)
         guess = int(numbers[-1]) if numbers else 0
         if guess == ep["secret"]:

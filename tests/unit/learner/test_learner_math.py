@@ -211,3 +211,23 @@ def test_token_logprobs_and_entropy() -> None:
     lp2, ent = token_logprobs_and_entropy(logits, ids)
     assert torch.allclose(lp2, lp) and ent is not None
     assert torch.allclose(ent[:, 1:], per[:, :-1], atol=1e-9) and (ent[:, 0] == 0).all()
+
+
+def test_group_advantages_of_groups_of_different_sizes_and_a_pooled_baseline() -> None:
+    """Groups sampled in rounds: sizes 2, 3 and 5 in one batch, each normalised by its own count (worked by hand);
+    a down-sampled group's baseline the pool of every sample drawn where given."""
+    rewards = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 1.0, -1.0, -1.0, -1.0, -1.0])
+    groups = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 2, 2])
+    got = group_advantages(rewards, groups, eps=0.0)
+    # group 0: mean 0, std sqrt(2); group 1: mean 1/3, std sqrt(4/3); group 2: mean -0.6, std sqrt(3.2/4)
+    s0, s1, s2 = 2**0.5, (4 / 3) ** 0.5, 0.8**0.5
+    want = [1 / s0, -1 / s0, (2 / 3) / s1, (2 / 3) / s1, (-4 / 3) / s1, 1.6 / s2] + [-0.4 / s2] * 4
+    assert got.tolist() == pytest.approx(want, abs=1e-6)
+    nan = float("nan")
+    # group 1 was down-sampled from a pool of mean -0.5, std 1.0: its samples are measured against that
+    pool_mean = torch.tensor([nan, nan, -0.5, -0.5, -0.5, nan, nan, nan, nan, nan])
+    pool_std = torch.tensor([nan, nan, 1.0, 1.0, 1.0, nan, nan, nan, nan, nan])
+    pooled = group_advantages(rewards, groups, eps=0.0, pool_mean=pool_mean, pool_std=pool_std)
+    assert pooled.tolist() == pytest.approx(want[:2] + [1.5, 1.5, -0.5] + want[5:], abs=1e-6)
+    flat = group_advantages(rewards, groups, normalize_std=False, pool_mean=pool_mean, pool_std=pool_std)
+    assert flat[2:5].tolist() == pytest.approx([1.5, 1.5, -0.5])

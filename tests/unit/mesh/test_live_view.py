@@ -215,3 +215,28 @@ def test_gateway_numbers_and_line() -> None:
     assert n["gateway_429"] == 5 and n["gateway_added_p50_s"] <= 0.01 < n["gateway_added_p99_s"]
     line = gateway_line(n)
     assert line is not None and "open 2, ended 9, abandoned 1; calls 30, 429s 5" in line
+
+
+def test_generated_per_trained_and_the_rounds_line() -> None:
+    from mesh.live import rounds_numbers, sampling_line
+
+    assert rounds_numbers(states()) == {} and "rounds" not in sampling_line(mesh_numbers(states()))
+    buffer = ServiceState(
+        "buffer",
+        1,
+        True,
+        True,
+        "running",
+        {"dapo_buffer_samples_generated_total": [({}, 330.0)], "dapo_buffer_samples_trained_total": [({}, 100.0)]},
+    )
+    replica = ServiceState("rollout-0", 2, True, True, "ready", {
+        "dapo_rollout_group_samples_drawn_sum": [({}, 300.0)], "dapo_rollout_group_samples_drawn_count": [({}, 50.0)],
+        "dapo_rollout_group_rounds_sum": [({}, 90.0)], "dapo_rollout_groups_given_up_total": [({}, 10.0)],
+        "dapo_rollout_samples_down_sampled_total": [({}, 24.0)]})  # fmt: skip
+    n = mesh_numbers([buffer, replica])
+    assert n["generated_per_trained"] == 3.3 and n["group_drawn_mean"] == 6.0 and n["group_rounds_mean"] == 1.8
+    assert n["groups_given_up_frac"] == 0.2 and n["samples_down_sampled"] == 24
+    assert sampling_line(n) == (
+        "samples: 3.30 generated per trained   rounds: 6.0 samples and 1.8 rounds a group, 20% given up, "
+        "24 down-sampled"
+    )
