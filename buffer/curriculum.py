@@ -201,8 +201,10 @@ class PromptStates:
         """Count one scored group (its accuracy, whether its samples all agreed, the newest version that sampled
         it), and a prompt's first group in its class `klass` too. A group already counted (redelivered after a
         restart, or read by two buffers) changes nothing and says so (counted False)."""
-        correct = sum(s.acc for s in group.scores)
-        args = [group.task.prompt_id, group_tag(group.group_id), correct, len(group.scores), int(zero_variance)]
+        correct, samples = sum(s.acc for s in group.scores), len(group.scores)
+        if group.sampling is not None:  # sampled in rounds: every sample drawn, down-sampled ones too
+            correct, samples = group.sampling.drawn_right, group.sampling.drawn
+        args = [group.task.prompt_id, group_tag(group.group_id), correct, samples, int(zero_variance)]
         args += [version, self.decay, RECENT_TAGS, klass or "", self.class_decay]
         with redis_errors(self.client):
             old, new, counted, cls = self._record(keys=[KEY_PROMPT_STATE, KEY_CLASS_STATE], args=args)

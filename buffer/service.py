@@ -255,7 +255,7 @@ class Buffer:
 
     def with_budgets(self, tasks: list[PromptTask]) -> list[PromptTask]:
         """signal/balanced: each task's budget, its give-up chance the prediction of its prompt's history (else its
-        class's, else `sampling_give_up`) that its group stays uniform (docs: services/sampling-budgets.md)."""
+        class's, else `sampling_give_up`) that a group of G is uniform (docs: services/sampling-budgets.md)."""
         s = self.s
         if s.sampling_rule == "fixed" or not tasks:
             return tasks

@@ -39,7 +39,7 @@ def group_advantages(
     std = torch.where(single, torch.ones_like(var), var.sqrt())
     mean_i, std_i = mean[g], std[g]
     if pool_mean is not None and pool_std is not None:
-        pooled = torch.isfinite(pool_mean)
+        pooled = torch.isfinite(pool_mean) & torch.isfinite(pool_std)
         mean_i = torch.where(pooled, pool_mean.to(torch.float64), mean_i)
         std_i = torch.where(pooled, pool_std.to(torch.float64), std_i)
     centred = r - mean_i

@@ -30,10 +30,12 @@ class ChunkedLoop:
         r.membership.sync_weights()  # weights change only between engine calls
         if r.publisher.holding():  # the reward server was down: nothing new until these are scored
             r.consumer.keep_alive()
-            if (wait := r.publisher.retry_in()) > 0:
+            if self.episodes.pending():  # episodes begun go on (an environment's need no reward server)
+                self.generate()
+            elif (wait := r.publisher.retry_in()) > 0:
                 time.sleep(min(0.5, wait))
                 return 0
-            return r.publish()  # held groups, and rounds held (their next rounds then run below next step)
+            return r.publish()  # held groups and held rounds, each once its backoff is over
         r.evaluator.run_seeded(self.engine)
         for d in self.read():
             r.begin(d)
@@ -44,7 +46,8 @@ class ChunkedLoop:
         return r.publish()
 
     def read(self) -> list[Delivery[PromptTask]]:
-        return self.r.consumer.read(count=self.r.s.prompts_per_call, block_ms=1000)
+        wait = 0 if self.episodes.pending() else 1000  # a group's next round waits for no new prompt
+        return self.r.consumer.read(count=self.r.s.prompts_per_call, block_ms=wait)
 
     def generate(self) -> None:
         """The episodes begun, turn by turn to their end; the generation speed measured over them."""

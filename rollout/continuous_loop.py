@@ -30,11 +30,12 @@ from collections import deque
 
 from rollout.engines.base import Completion, ContinuousBatching
 from rollout.env_client import EnvUnavailable
-from rollout.episode_runner import EpisodeRunner
+from rollout.episode_runner import ENV_PREFIX, EpisodeRunner
 from rollout.gateway.core import Gateway
 from rollout.metrics import RolloutMetrics
 from rollout.replica import Replica
 from rollout.shared_evaluation import EVAL_PRIORITY, SharedEvaluation
+from services.schemas import PromptTask
 
 log = logging.getLogger(__name__)
 IDLE_WINDOW_S = 60.0  # dapo_rollout_idle_fraction: over the last minute
@@ -128,8 +129,7 @@ class ContinuousLoop:
                 continue  # our own entry again (a replay after a restart of the consumer): it is in flight
             if r.begin(d):
                 began = True
-                budget = d.message.budget  # sampled in rounds: its first round is what enters now
-                self.group_size = max(1, budget.first if budget is not None else d.message.n_samples)
+                self.group_size = admitted_size(d.message)
         return began
 
     def advance_episodes(self) -> None:
@@ -214,6 +214,16 @@ class ContinuousLoop:
             )
         self.evaluation = SharedEvaluation(self.r, self.engine, self._eval_episodes, version, items)
         return True
+
+
+def admitted_size(task: PromptTask) -> int:
+    """The room a prompt takes at admission: its G samples; sampled in rounds, its first round — an environment
+    task's whole budget (its later rounds' episodes begin at once on the environment service, which
+    --max-episodes bounds; a single-turn prompt's later rounds wait for room in the engine)."""
+    b = task.budget
+    if b is None:
+        return max(1, task.n_samples)
+    return b.most if task.verifier.startswith(ENV_PREFIX) else b.first
 
 
 class IdleWindow:

@@ -100,7 +100,7 @@ class Publisher:
 
     def retry_held(self) -> int:
         """The held groups scored and published once their backoff is over; the groups published."""
-        if self.held is None or self.retry_in() > 0:
+        if self.held is None or self.retry_at > time.monotonic():  # its own backoff (held rounds keep theirs)
             return 0
         return self.publish(self.held)
 
@@ -212,8 +212,10 @@ class Publisher:
             for _ in o:
                 r = next(results)
                 scores.append(Score(reward=r.score, acc=r.acc, overlong_penalty=r.overlong_penalty, pred=r.pred))
-            # the learner trains on these tokens; a round of a group sampled in rounds has fewer than n_samples
-            task = task.model_copy(update={"prompt_token_ids": TokenIds(prompt), "n_samples": len(samples)})
+            update: dict[str, Any] = {"prompt_token_ids": TokenIds(prompt)}  # the learner trains on these tokens
+            if task.budget is not None:  # a round of a group sampled in rounds: its own samples
+                update["n_samples"] = len(samples)
+            task = task.model_copy(update=update)
             groups.append(ScoredGroup(task=task, samples=samples, scores=scores, replica_id=self.s.replica_id))
         return groups
 

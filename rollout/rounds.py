@@ -12,9 +12,9 @@ episodes (scored by their environment; the group is built from all of them at th
 on the one shared prompt), a single-turn prompt's scored samples (one scoring request per loop step for every
 round that finished in it). The prompt stays pending in Redis and kept alive through every round, so a replica
 killed between two rounds leaves the whole prompt to another (nothing of its rounds is published). A reward outage
-holds the rounds to score (retried with the publisher's backoff; the loop admits nothing new meanwhile), as the
-publisher holds finished groups. A seeded replica seeds each round apart (the first round's seed again would draw
-the same answers).
+holds the rounds to score (retried with backoff; the loop admits nothing new meanwhile), as the
+publisher holds finished groups (with a backoff of its own). A seeded replica seeds each round apart (the first
+round's seed again would draw the same answers; vLLM on CPUs cannot seed a request, the HF engine's calls are).
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ class Rounds:
         """Each round just finished scored and judged: the groups done published (with their prompts'
         acknowledgement), the others begun again for their next round. The groups published."""
         one_step = [(d, eps) for d, eps in finished if eps and eps[0].one_step]
+        if one_step:  # the answers' metrics once, as they finish (a held round is scored again, not counted again)
+            self.m.answered(Generated.of(one_step).outs)
         for d, eps in finished:
             if not (eps and eps[0].one_step):
                 self.drawn[d.entry_id].episodes += eps
@@ -120,7 +122,6 @@ class Rounds:
         if not rounds:
             return []
         gen = Generated.of(rounds)
-        self.m.answered(gen.outs)
         try:
             try:
                 groups = self.pub.score(gen)
@@ -189,7 +190,7 @@ class Rounds:
         self.m.down_sampled.inc(n - len(keep))
         if verdict.what == "give_up":
             self.m.given_up.inc()
-        sampling = GroupSampling(rounds=drawn.rounds, drawn=n, gave_up=verdict.what == "give_up")
+        sampling = GroupSampling(rounds=drawn.rounds, drawn=n, drawn_right=sum(accs), gave_up=verdict.what == "give_up")
         if budget.rule == "balanced":
             rewards = [s.reward for s in scores] if drawn.episodes else [s.reward for s in drawn.scores]
             mean, std = pool_stats(rewards)

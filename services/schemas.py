@@ -68,11 +68,20 @@ class GroupSampling(BaseModel):
 
     rounds: int = Field(ge=1, description="Rounds sampled.")
     drawn: int = Field(ge=1, description="Samples generated, down-sampled ones included.")
+    drawn_right: int = Field(0, ge=0, description="... of them right (the prompt's history counts all it drew).")
     gave_up: bool = Field(False, description="Given up after its first round agreed.")
     pool_mean: FiniteFloat | None = Field(
         None, description="balanced: the mean reward of every sample drawn (the advantages' baseline)."
     )
     pool_std: FiniteFloat | None = Field(None, ge=0.0, description="balanced: their standard deviation (unbiased).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if (self.pool_mean is None) != (self.pool_std is None):
+            raise ValueError("pool_mean, pool_std: both or neither (the advantages' baseline and its spread)")
+        if self.drawn_right > self.drawn:
+            raise ValueError(f"drawn_right: {self.drawn_right} right of {self.drawn} drawn")
+        return self
 
 
 class PromptTask(Message):

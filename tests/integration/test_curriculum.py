@@ -221,3 +221,18 @@ def test_unseen_prompts_of_a_class_whose_first_groups_are_dropped_are_skipped(cl
     assert share[1] < 0.15, share  # an unseen one of its class: about the floor
     hard, easy, _ = first_pass("none")
     assert hard == easy == 1.0
+
+
+def test_a_group_sampled_in_rounds_counts_every_sample_it_drew(client: redis.Redis) -> None:
+    """A balanced group trains 2 right and 2 wrong of the 12 it drew (1 right): its prompt's history counts the 12,
+    not the half-right 4 (the give-up chance and the bands read this history)."""
+    from services.schemas import GroupSampling
+
+    states = PromptStates(client, decay=1.0)
+    g = group("drawn", 0, [True, True, False, False])
+    g = g.model_copy(update={"sampling": GroupSampling(rounds=4, drawn=12, drawn_right=2, pool_mean=-2 / 3,
+                                                       pool_std=0.78)})  # fmt: skip
+    s = states.record(g, zero_variance=False, version=0).after
+    assert (s.correct, s.samples, s.groups) == (2, 12, 1)
+    plain = states.record(group("plain", 0, [True, True, False, False]), zero_variance=False, version=0).after
+    assert (plain.correct, plain.samples) == (2, 4)

@@ -1,14 +1,17 @@
 """Fuzzing the HTTP services with schemathesis, over real HTTP against real processes: cases generated
 from each service's own OpenAPI schema (valid and invalid ones), sent with the bearer token. Whatever
 they send: no 5xx, no hang (every call has a timeout), no crash (the process still answers after).
-The reward server gets 10,000+ cases; the buffer stands for the services built only from the shared
-app (learner and rollout serve the same endpoints from the same code)."""
+The reward server and the gateway are fuzzed for a time (FUZZ_S: as many cases as the machine generates in it,
+their count printed and held to a floor), the others by a count of cases; the buffer stands for the services
+built only from the shared app (learner and rollout serve the same endpoints from the same code)."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,12 +29,17 @@ schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.generation import GenerationMode  # noqa: E402
 
 TOKEN = "fuzz-token-0123456789"
+FUZZ_S = 60.0  # seconds of generated cases per half (valid, invalid) where a test is sized by time
 REWARD_BUDGET = {("POST", "/v1/score"): 10_000, ("GET", "/readyz"): 400, ("GET", "/config"): 400,
                  ("GET", "/metrics"): 400}  # fmt: skip
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
 MODES = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+
+
+class TimeUp(Exception):
+    """An operation's share of a fuzz sized by time is spent (raised from a case, caught around the run)."""
 
 
 def fuzz(
@@ -41,22 +49,29 @@ def fuzz(
     prepare: Callable[[Any], None] | None = None,
     to: str | None = None,
     default: int = 200,
+    seconds: float | None = None,
 ) -> Counter[str]:
     """Run `budget[(method, path)]` generated cases per operation (half valid, half invalid; `modes` says which
     halves this call runs) of `base`'s schema, sent to `to` (default: `base`); `prepare` may change a case before it
-    is sent."""
+    is sent. `seconds`: sized by time instead — each operation and half gets its share of it by its budget, and
+    runs as many cases as fit (its budget a ceiling)."""
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=HEADERS)  # served with --api-docs
     to = to or base
     stats: Counter[str] = Counter()
-    for result in schema.get_all_operations():
-        op = result.ok()
-        n = budget.get((op.method.upper(), op.path), default)
+    ops = [result.ok() for result in schema.get_all_operations()]
+    sizes = [budget.get((op.method.upper(), op.path), default) for op in ops]
+    clock = {"until": math.inf}  # the current operation's end (sized by time)
+    for op, n in zip(ops, sizes, strict=True):
         for mode in modes:
+            share = None if seconds is None else seconds * n / sum(sizes) / len(modes)
+            clock["until"] = math.inf if share is None else time.monotonic() + share
 
             @settings(max_examples=n // 2, deadline=None, suppress_health_check=list(HealthCheck),
                       phases=[Phase.generate], derandomize=True, database=None)  # fmt: skip
             @given(case=op.as_strategy(generation_mode=mode))
             def call(case) -> None:  # type: ignore[no-untyped-def]
+                if time.monotonic() > clock["until"]:
+                    raise TimeUp  # this operation's share of the time is spent
                 if prepare is not None:
                     prepare(case)
                 r = case.call(base_url=to, headers=HEADERS, timeout=15)  # a hang fails the test
@@ -66,6 +81,8 @@ def fuzz(
 
             try:
                 call()
+            except TimeUp:
+                pass
             except Unsatisfiable:  # nothing to make invalid (an operation without parameters)
                 assert mode == GenerationMode.NEGATIVE
     assert httpx.get(f"{to}/healthz", timeout=5).status_code == 200  # still alive
@@ -74,7 +91,9 @@ def fuzz(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_reward_server_survives_10k_generated_requests(tmp_path: Path) -> None:
+def test_reward_server_survives_a_minute_of_generated_requests(tmp_path: Path) -> None:
+    """FUZZ_S of valid cases here and FUZZ_S of invalid ones from a second process at the same time (~2,400 cases
+    each on this machine: ~25 ms a case)."""
     log = tmp_path / "reward.log"
     with running("reward_server", "--workers", "2", "--api-docs", env={"DAPO_AUTH_TOKEN": TOKEN},
                  ready_path="/readyz", token=TOKEN, log=log) as (base, proc):  # fmt: skip
@@ -83,7 +102,7 @@ def test_reward_server_survives_10k_generated_requests(tmp_path: Path) -> None:
         half = subprocess.Popen([sys.executable, "-m", "tests.integration.test_fuzz_http", base], cwd=ROOT,
                                 env=child_env(), stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
-            stats = fuzz(base, REWARD_BUDGET, modes=(GenerationMode.POSITIVE,))
+            stats = fuzz(base, REWARD_BUDGET, modes=(GenerationMode.POSITIVE,), seconds=FUZZ_S)
             out, _ = half.communicate(timeout=500)
         finally:
             half.kill()
@@ -91,9 +110,9 @@ def test_reward_server_survives_10k_generated_requests(tmp_path: Path) -> None:
         stats.update(json.loads(out.splitlines()[-1]))
         assert proc.poll() is None
     print(f"reward server fuzz: {dict(stats)}")
-    assert stats["cases"] >= 10_000 and stats["5xx"] == 0
-    assert stats["4xx"] > 1_000  # the invalid half really was invalid, and answered with a 4xx
-    assert stats["2xx"] > 2_000  # and the valid half really reached the verifiers
+    assert stats["cases"] >= 1_500 and stats["5xx"] == 0  # the floor: a quarter of what this machine runs
+    assert stats["4xx"] > 300  # the invalid half really was invalid, and answered with a 4xx
+    assert stats["2xx"] > 500  # and the valid half really reached the verifiers
 
 
 @pytest.fixture
@@ -166,7 +185,7 @@ def served_model(case: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-def test_gateway_survives_2000_generated_requests(tmp_path: Path, model_dir: Path, reward_url: str) -> None:
+def test_gateway_survives_a_minute_of_generated_requests(tmp_path: Path, model_dir: Path, reward_url: str) -> None:
     """The OpenAI-compatible gateway on a vLLM replica (tiny model): generated chat completions, completions and
     session calls, valid and not, sent with the mesh token (calls not captured) or without a task to hand out.
     Whatever they send: no 5xx, the replica still serves after. Then the same schema's cases through the router in
@@ -183,7 +202,7 @@ def test_gateway_survives_2000_generated_requests(tmp_path: Path, model_dir: Pat
         with running("rollout", *args, env=env, ready_path="/readyz", token=TOKEN,
                      timeout_s=300, log=tmp_path / "rollout.log") as (_, proc):  # fmt: skip
             base = f"http://127.0.0.1:{gport}"
-            stats = fuzz(base, GATEWAY_BUDGET, prepare=served_model)
+            stats = fuzz(base, GATEWAY_BUDGET, prepare=served_model, seconds=FUZZ_S)  # both halves in one minute
             assert proc.poll() is None
             router_env = {"DAPO_AUTH_TOKEN": TOKEN, "DAPO_REDIS_URL": server.url}
             with running("router", "--api-docs", env=router_env, ready_path="/readyz", token=TOKEN,
@@ -196,11 +215,11 @@ def test_gateway_survives_2000_generated_requests(tmp_path: Path, model_dir: Pat
                            json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
             assert r.status_code == 200, r.text  # still generating
     print(f"gateway fuzz: {dict(stats)}; through the router: {dict(routed)}; the router's own: {dict(ops)}")
-    assert stats["cases"] >= 2_000 and stats["5xx"] == 0
-    assert stats["2xx"] > 200 and stats["4xx"] > 500
+    assert stats["cases"] >= 400 and stats["5xx"] == 0  # the floor: a third of what fits in a minute here
+    assert stats["2xx"] > 50 and stats["4xx"] > 100
     assert routed["cases"] >= 500 and routed["5xx"] == 0 and routed["2xx"] > 50 and routed["4xx"] > 100
     assert ops["cases"] >= 20 and ops["5xx"] == 0
 
 
 if __name__ == "__main__":  # the reward server test's second process: the invalid half, stats as JSON
-    print(json.dumps(fuzz(sys.argv[1], REWARD_BUDGET, modes=(GenerationMode.NEGATIVE,))))
+    print(json.dumps(fuzz(sys.argv[1], REWARD_BUDGET, modes=(GenerationMode.NEGATIVE,), seconds=FUZZ_S)))

@@ -94,4 +94,8 @@ def check(g: ScoredGroup, budget: SamplingBudget) -> GroupSampling:
     assert len(g.samples) == len(g.scores) == g.task.n_samples <= s.drawn
     assert s.drawn >= budget.first + (s.rounds - 1)  # each later round added a sample at least
     assert g.task.budget == budget  # the task as it was sent
+    right = sum(x.acc for x in g.scores)
+    assert s.drawn_right >= right and s.drawn - s.drawn_right >= len(g.scores) - right  # it kept of what it drew
+    if s.drawn == len(g.samples):
+        assert s.drawn_right == right
     return s
