@@ -255,7 +255,7 @@ class Buffer:
 
     def with_budgets(self, tasks: list[PromptTask]) -> list[PromptTask]:
         """signal/balanced: each task's budget, its give-up chance the prediction of its prompt's history (else its
-        class's, else `sampling_give_up`) that a group of G is uniform (docs: services/sampling-budgets.md)."""
+        class's) that a group of G is uniform, never below `sampling_give_up` (docs: services/sampling-budgets.md)."""
         s = self.s
         if s.sampling_rule == "fixed" or not tasks:
             return tasks
@@ -269,7 +269,7 @@ class Buffer:
                 first=first,
                 round=s.sampling_round or first,
                 most=s.budget_most,
-                give_up=s.sampling_give_up if q is None else q,
+                give_up=s.sampling_give_up if q is None else max(s.sampling_give_up, q),
             )
             out.append(t.model_copy(update={"budget": budget}))
         return out

@@ -88,8 +88,8 @@ class BufferSettings(ServiceSettings, RedisSettings):
         0.5,
         ge=0,
         le=1,
-        description="signal/balanced: chance of giving a prompt up when its first round agrees, where neither its "
-        "history nor its class's predicts (else their predicted chance that a group of n_samples is uniform).",
+        description="signal/balanced: the least chance of giving a prompt up when its first round agrees (more where "
+        "its history, or its class's, predicts a group of n_samples uniform with more; 1: always).",
     )
     continuous_rewards: bool = Field(False, description="Filter on reward std instead of accuracy.")
     reward_std_threshold: float = Field(0.0, ge=0, description="With continuous rewards: keep if std > this.")

@@ -108,6 +108,7 @@ class Run:
     wall_s: float | None
     clock: str  # how the evaluations' minutes were found: "eval_at", "scaled" or "learner" (the docstring above)
     k: int | None  # the evaluations' k
+    per_trained: tuple[float, float] = (math.nan, math.nan)  # generated samples per trained: whole run, after pass 1
 
     @property
     def final(self) -> float:
@@ -172,7 +173,27 @@ def read(path: Path) -> Run:
         wall_s=wall,
         clock=clock,
         k=evals[-1].get("eval_k") if evals else None,
+        per_trained=generated_per_trained(train),
     )
+
+
+def generated_per_trained(train: list[dict[str, Any]]) -> tuple[float, float]:
+    """Samples generated per sample trained over the whole run and after the first pass over the training prompts
+    (from the first step the dispatch cursor was in epoch 1): from the buffer's sample counts, or — a run from before
+    them, its groups all of G — its groups received per group kept. NaN where unknown."""
+    for num, den in (("samples_generated", "samples_trained"), ("groups_received", "groups_kept")):
+        rows = [r for r in train if finite(r.get(num), r.get(den))]
+        if rows:
+            later = next((r for r in rows if (r.get("epoch") or 0) >= 1), None)
+            whole = _ratio(rows[-1], None, num, den)
+            return whole, _ratio(rows[-1], later, num, den) if later is not None else math.nan
+    return math.nan, math.nan
+
+
+def _ratio(last: dict[str, Any], since: dict[str, Any] | None, num: str, den: str) -> float:
+    """How much `num` grew per `den` from the row `since` (the start: None) to the row `last`."""
+    used = last[den] - (since[den] if since else 0)
+    return (last[num] - (since[num] if since else 0)) / used if used > 0 else math.nan
 
 
 def _clock(
@@ -203,6 +224,8 @@ class Arm:
     reached: int  # runs that got there
     versions: tuple[int, int]  # (fewest, most) versions trained
     diff: tuple[float, float] | None  # final mean − the first arm's, Welch's standard error; None: the first arm
+    per_trained: tuple[float, float] = (math.nan, math.nan)  # generated per trained sample, whole run: mean, se
+    later_per_trained: tuple[float, float] = (math.nan, math.nan)  # ... after the first pass over the prompts
 
     @property
     def seeds(self) -> list[int | None]:
@@ -233,7 +256,14 @@ class Comparison:
 
 
 UNKNOWN, ABSENT = "?", "(absent)"  # "what differs" for an arm without config.json / without that key
-STATS = ("final", "best", "pass_at_k", "diff")  # Arm's (mean or difference, standard error) pairs
+STATS = (
+    "final",
+    "best",
+    "pass_at_k",
+    "diff",
+    "per_trained",
+    "later_per_trained",
+)  # Arm's (mean or difference, standard error) pairs
 
 
 def _stat(pair: tuple[float, float] | None) -> dict[str, float] | None:
@@ -311,6 +341,8 @@ def summarize(label: str, runs: list[Run], gain: float, first: list[Run] | None)
         reached=len(reached),
         versions=(min(r.versions for r in runs), max(r.versions for r in runs)),
         diff=welch([r.final for r in runs], [r.final for r in first]) if first is not None else None,
+        per_trained=mean_se([r.per_trained[0] for r in runs]),
+        later_per_trained=mean_se([r.per_trained[1] for r in runs]),
     )
 
 

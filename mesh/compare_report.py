@@ -25,11 +25,11 @@ CLOCKS = {  # Run.clock -> how its minutes were found (mesh/compare.py's docstri
 Section = tuple[str, list[tuple[str, list[str]]]]  # (title, [(row name, a cell per arm)])
 
 
-def _pm(stat: tuple[float, float], signed: bool = False) -> str:
+def _pm(stat: tuple[float, float], signed: bool = False, digits: int = 3) -> str:
     mean, se = stat
     if not math.isfinite(mean):
         return "—"
-    return f"{mean:{'+' if signed else ''}.3f} ± {f'{se:.3f}' if math.isfinite(se) else '—'}"
+    return f"{mean:{'+' if signed else ''}.{digits}f} ± {f'{se:.{digits}f}' if math.isfinite(se) else '—'}"
 
 
 def _minutes(m: float | None) -> str:
@@ -63,6 +63,8 @@ def sections(c: Comparison) -> list[Section]:
         ("wall time (mean)", [_minutes(a.wall_min) for a in c.arms]),
         (f"time to +{c.gain:.2f} {k} over the first eval", [_to_gain(a) for a in c.arms]),
         ("versions trained", [_span(*a.versions) for a in c.arms]),
+        ("generated per trained sample", [_pm(a.per_trained, digits=2) for a in c.arms]),
+        ("… after the first pass", [_pm(a.later_per_trained, digits=2) for a in c.arms]),
     ]
     differs = [(key, [_value(v) for v in values]) for key, values in c.differs.items()]
     if not differs:  # one arm, or arms made before runs wrote their config

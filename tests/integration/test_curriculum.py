@@ -236,3 +236,29 @@ def test_a_group_sampled_in_rounds_counts_every_sample_it_drew(client: redis.Red
     assert (s.correct, s.samples, s.groups) == (2, 12, 1)
     plain = states.record(group("plain", 0, [True, True, False, False]), zero_variance=False, version=0).after
     assert (plain.correct, plain.samples) == (2, 4)
+
+
+def test_the_buffer_sends_each_task_its_budget_with_a_give_up_chance_from_history(client: redis.Redis) -> None:
+    """sampling_rule signal: every dispatched task carries its budget; a prompt with no history is given up with
+    `sampling_give_up`, one whose history predicts a uniform group with that prediction where it is larger; the
+    buffer counts the samples the groups drew (generated) and those it put in batches (trained)."""
+    s = settings(sampling_rule="signal", sampling_first=2, sampling_round=2, sampling_most=8, sampling_give_up=0.3,
+                 n_samples=8, batch_size=4, max_staleness=1)  # fmt: skip
+    buffer = Buffer(s, client, SMALL, BufferMetrics(CollectorRegistry()))
+    solved = {buffer.source.train[i].prompt_id for i in range(0, 40, 2)}
+    rollout = Rollout(client, lambda t, i: [True] * 8 if t.prompt_id in solved else [True, False] * 4)
+    run_out(buffer, rollout, 30)
+    tasks = [decode(f, PromptTask) for _, f in client.xrange(STREAM_PROMPTS)]
+    assert tasks and all(t.budget is not None for t in tasks)
+    first = [t for t in tasks if "#e0p" in t.task_id]
+    assert all(t.budget and (t.budget.rule, t.budget.first, t.budget.round, t.budget.most) == ("signal", 2, 2, 8)
+               for t in tasks)  # fmt: skip
+    assert all(t.budget and t.budget.give_up == 0.3 for t in first)  # no history yet
+    later = [t for t in tasks if "#e0p" not in t.task_id and t.prompt_id in solved]
+    assert later, "the run reached a second pass"
+    for t in later:
+        q = buffer.predict(buffer.states.get([t.prompt_id])[0])
+        assert q is not None and q > 0.3 and t.budget and t.budget.give_up >= 0.3
+    generated = buffer.m.samples_generated._value.get()
+    trained = buffer.m.samples_trained._value.get()
+    assert generated == 8 * len(rollout.groups) and trained == 8 * 4 * buffer.m.batches._value.get() > 0

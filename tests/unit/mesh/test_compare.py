@@ -186,3 +186,22 @@ def test_the_command_line(tmp_path: Path) -> None:
     assert r.exit_code == 0 and "learner.clip_high" not in r.output and "0.420 ± 0.020" in " ".join(r.output.split())
     r = CliRunner().invoke(app, ["compare", runs[0], str(tmp_path)])
     assert r.exit_code == 2 and "no metrics.jsonl" in " ".join(w for w in r.output.split() if w != "│")
+
+
+def test_generated_per_trained_whole_and_after_the_first_pass() -> None:
+    """From the buffer's sample counts (groups sampled in rounds differ in size), else from its group counts; after
+    the first pass: from the first step the dispatch cursor was in epoch 1."""
+    from mesh.compare import generated_per_trained
+
+    rows = [
+        {"samples_generated": 100, "samples_trained": 32, "groups_received": 50, "groups_kept": 4, "epoch": 0},
+        {"samples_generated": 200, "samples_trained": 64, "groups_received": 90, "groups_kept": 8, "epoch": 1},
+        {"samples_generated": 260, "samples_trained": 96, "groups_received": 99, "groups_kept": 12, "epoch": 1},
+    ]
+    assert generated_per_trained(rows) == (260 / 96, 60 / 32)
+    old = [{k: v for k, v in r.items() if not k.startswith("samples")} for r in rows]
+    assert generated_per_trained(old) == (99 / 12, 9 / 4)
+    assert all(math.isnan(x) for x in generated_per_trained([{"groups_received": 5}]))
+    assert all(math.isnan(x) for x in generated_per_trained([]))
+    one_pass = generated_per_trained(rows[:1])
+    assert one_pass[0] == 100 / 32 and math.isnan(one_pass[1])  # never past the first pass
