@@ -126,7 +126,7 @@ class Rounds:
             try:
                 groups = self.pub.score(gen)
             except RewardRejected:
-                groups = self.score_each(gen)
+                groups = self.pub.score_one_by_one(gen)  # a refused prompt dead-lettered
         except RewardUnavailable as e:
             self.pub.m.reward_failures.inc()
             self.unscored = rounds
@@ -148,21 +148,6 @@ class Rounds:
             drawn.rounds += 1
             scored.append(d)
         return scored
-
-    def score_each(self, gen: Generated) -> list[ScoredGroup]:
-        """After a 4xx for the whole call: each prompt's round alone; a refused prompt dead-lettered (an outage
-        raises before any is)."""
-        groups: list[ScoredGroup] = []
-        refused = []
-        for i, d in enumerate(gen.deliveries):
-            try:
-                groups += self.pub.score(gen.part(i))
-            except RewardRejected as e:
-                refused.append((d, e))
-        for d, why in refused:
-            log.error("prompt %s dead-lettered: %s", d.message.task_id, why)
-            self.pub.consumer.dead_letter([d], "reward_rejected", str(why))
-        return groups
 
     def judge(
         self, d: Delivery[PromptTask], runner: EpisodeRunner, decode: Callable[[list[int]], str]
