@@ -35,7 +35,9 @@ from typing import Any
 
 from mesh.layout import RunLayout
 
-IGNORED = ("seed", "run_dir", "trackers", "linger_s")  # what may differ between the runs of one arm
+# what may differ between the runs of one arm; rollout.replica_id: config.json holds the orchestrator's default
+# (hostname-pid), a new one every run (the mesh names its replicas itself)
+IGNORED = ("seed", "run_dir", "trackers", "linger_s", "rollout.replica_id")
 
 
 def ignored(key: str) -> bool:

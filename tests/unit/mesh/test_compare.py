@@ -66,6 +66,7 @@ def config(run_dir: Path, seed: int, clip_high: float) -> dict[str, Any]:
         "dataset": "reasoning_gym:chain_sum",
         "learner": {"clip_high": clip_high, "clip_low": 0.2},
         "buffer": {"max_staleness": 1},
+        "rollout": {"replica_id": f"host-{1000 + seed}"},  # as config.json holds it: a new one every run
     }
 
 
