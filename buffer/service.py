@@ -41,6 +41,7 @@ from buffer.dynamic_sampling import dispatch_budget, filter_group, is_stale, pas
 from buffer.metrics import BufferMetrics
 from buffer.settings import BufferSettings
 from services.datasets import Item, Source, distinct_prompts
+from services.draws import uniform
 from services.episode_log import EpisodeLog, group_record
 from services.lease import Lease
 from services.schemas import DroppedGroup, PromptTask, SamplingBudget, ScoredGroup, TrainBatch
@@ -270,6 +271,7 @@ class Buffer:
                 round=s.sampling_round or first,
                 most=s.budget_most,
                 give_up=s.sampling_give_up if q is None else max(s.sampling_give_up, q),
+                draw=uniform(self.cursor.seed, t.task_id, "give-up"),  # the buffer's: every replica decides the same
             )
             out.append(t.model_copy(update={"budget": budget}))
         return out

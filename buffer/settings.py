@@ -126,6 +126,11 @@ class BufferSettings(ServiceSettings, RedisSettings):
             return self
         if self.continuous_rewards:
             raise ValueError("sampling_rule: rounds look for right and wrong answers; continuous_rewards has none")
+        if not self.dynamic_sampling:
+            raise ValueError(
+                "sampling_rule: a group given up or still uniform at its budget's end is dropped by dynamic sampling; "
+                "with dynamic_sampling off it would be trained (set dynamic_sampling = true, or sampling_rule fixed)"
+            )
         first, most = self.budget_first, self.budget_most
         if first > most or self.n_samples > most:
             raise ValueError(

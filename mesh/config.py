@@ -408,6 +408,7 @@ def tiny_data(run_dir: Path, steps: int = 3, sections: dict[str, dict[str, Any]]
 # keep nothing; the presets' off-policy correction for a group past the bound at the update.
 TINY_NEEDS: dict[tuple[Service, str], Any] = {
     ("buffer", "dynamic_sampling"): False,
+    ("buffer", "sampling_rule"): "fixed",  # rounds need dynamic sampling (a given-up group would be trained)
     ("buffer", "dispatch_policy"): "uniform",  # the curriculum predicts the filter that is off here
     ("learner", "off_policy"): "token-tis",
     ("learner", "stale_groups"): "reweight",

@@ -37,7 +37,7 @@ class Decision:
 
 def decide(budget: SamplingBudget, n_samples: int, accs: list[bool], rounds: int, draw: float) -> Decision:
     """After `rounds` rounds whose samples' outcomes are `accs` (right/wrong): done, give up, or how many to add.
-    `draw` is a uniform number in [0, 1) for the give-up (seeded by the caller: give_up_draw)."""
+    `draw` is a uniform number in [0, 1) for the give-up (the task's: SamplingBudget.draw)."""
     n, right = len(accs), sum(accs)
     wrong = n - right
     if budget.rule == "signal":
@@ -73,13 +73,6 @@ def pool_stats(rewards: list[float]) -> tuple[float, float]:
     if len(rewards) < 2:
         return (rewards[0] if rewards else 0.0), 1.0
     return statistics.fmean(rewards), statistics.stdev(rewards)
-
-
-def give_up_draw(seed: int | None, task_id: str) -> float:
-    """The task's uniform draw in [0, 1) for the give-up: the same task and seed decide the same (a prompt
-    reclaimed by another replica, a seeded run repeated)."""
-    digest = hashlib.blake2b(f"{seed}:{task_id}:give-up".encode(), digest_size=8).digest()
-    return int.from_bytes(digest) / 2**64
 
 
 def round_seed(seed: int | None, rounds: int) -> int | None:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollout.budget import balanced, decide, give_up_draw, pool_stats, round_seed
+from rollout.budget import balanced, decide, pool_stats, round_seed
 from rollout.engines.base import SamplingParams
 from rollout.episode_runner import EpisodeRunner
 from rollout.episodes import Episode
@@ -35,6 +35,7 @@ from rollout.publisher import REWARD_BACKOFF_MAX_S, REWARD_BACKOFF_S, Generated,
 from rollout.reward_client import RewardRejected, RewardUnavailable
 from rollout.settings import RolloutSettings
 from services.arrays import TokenIds
+from services.draws import uniform
 from services.schemas import GroupSampling, PromptTask, Sample, Score, ScoredGroup
 from services.streams import STREAM_ROLLOUTS, Delivery
 
@@ -161,7 +162,8 @@ class Rounds:
             accs = [s.acc for s in scores]
         else:
             accs = drawn.accs()
-        verdict = decide(budget, task.n_samples, accs, drawn.rounds, give_up_draw(self.s.seed, task.task_id))
+        draw = budget.draw if budget.draw is not None else uniform(None, task.task_id, "give-up")
+        verdict = decide(budget, task.n_samples, accs, drawn.rounds, draw)
         if verdict.what == "more":
             params = self.params(task)
             params = dataclasses.replace(params, seed=round_seed(params.seed, drawn.rounds + 1))

@@ -53,6 +53,13 @@ class SamplingBudget(BaseModel):
     give_up: FiniteFloat = Field(
         0.0, ge=0.0, le=1.0, description="Chance of giving the prompt up when its first round agrees (from history)."
     )
+    draw: FiniteFloat | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description="The task's uniform draw for the give-up (the buffer's, seeded: every replica decides the same); "
+        "None: drawn from the task id.",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:

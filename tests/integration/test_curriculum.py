@@ -254,6 +254,8 @@ def test_the_buffer_sends_each_task_its_budget_with_a_give_up_chance_from_histor
     assert all(t.budget and (t.budget.rule, t.budget.first, t.budget.round, t.budget.most) == ("signal", 2, 2, 8)
                for t in tasks)  # fmt: skip
     assert all(t.budget and t.budget.give_up == 0.3 for t in first)  # no history yet
+    draws = [t.budget.draw for t in tasks if t.budget]  # the buffer's seeded draw: every replica decides the same
+    assert all(d is not None and 0 <= d < 1 for d in draws) and len(set(draws)) == len(draws)
     later = [t for t in tasks if "#e0p" not in t.task_id and t.prompt_id in solved]
     assert later, "the run reached a second pass"
     for t in later:

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.budget import balanced, decide, give_up_draw, pool_stats, round_seed
+from rollout.budget import balanced, decide, pool_stats, round_seed
+from services.draws import uniform
 from services.schemas import SamplingBudget
 
 
@@ -42,7 +43,7 @@ def test_the_balanced_rule_waits_for_half_of_each_then_keeps_a_balanced_group() 
 
 def test_a_prompt_that_agrees_in_its_first_round_is_given_up_with_the_stated_probability() -> None:
     b = budget("signal", give_up=0.3)
-    draws = [give_up_draw(7, f"prompt-{i}#e0p{i}") for i in range(20_000)]
+    draws = [uniform(7, f"prompt-{i}#e0p{i}", "give-up") for i in range(20_000)]
     given_up = sum(decide(b, 8, [False] * 4, rounds=1, draw=d).what == "give_up" for d in draws)
     assert given_up / len(draws) == pytest.approx(0.3, abs=0.01)  # binomial se 0.0032: 3 se
     right = sum(decide(b, 8, [True] * 4, rounds=1, draw=d).what == "give_up" for d in draws)
@@ -51,7 +52,7 @@ def test_a_prompt_that_agrees_in_its_first_round_is_given_up_with_the_stated_pro
     assert all(decide(b, 8, [True, False, False, False], 1, d).what != "give_up" for d in draws[:500])
     assert all(decide(b, 8, [False] * 8, 2, d).what == "more" for d in draws[:500])
     assert all(decide(budget(give_up=0.0), 8, [False] * 4, 1, d).what == "more" for d in draws[:500])
-    assert give_up_draw(7, "a") == give_up_draw(7, "a") != give_up_draw(8, "a")  # seeded by task and seed
+    assert uniform(7, "a") == uniform(7, "a") != uniform(8, "a") != uniform(7, "b")  # seeded by seed and key
 
 
 @settings(max_examples=400, deadline=None)
@@ -129,3 +130,18 @@ def test_the_exact_expectations_of_the_docs_table(p: float) -> None:
     assert (same.w, same.n, same.kept) == pytest.approx(tuple(vars(expectation(p, 8, None)).values()))
     # every rule keeps a prompt's direction: its weight is positive
     assert expectation(p, 8, signal).w > 0 and expectation(p, 8, budget("balanced", most=16)).w > 0
+
+
+def test_budgets_need_dynamic_sampling_and_room_for_the_group() -> None:
+    from pydantic import ValidationError
+
+    from buffer.settings import BufferSettings
+
+    with pytest.raises(ValidationError, match="with dynamic_sampling off it would be trained"):
+        BufferSettings(sampling_rule="signal", dynamic_sampling=False)
+    with pytest.raises(ValidationError, match="continuous_rewards has none"):
+        BufferSettings(sampling_rule="balanced", continuous_rewards=True)
+    with pytest.raises(ValidationError, match="sampling_most 6 must be at least n_samples"):
+        BufferSettings(sampling_rule="signal", n_samples=8, sampling_most=6)
+    s = BufferSettings(sampling_rule="signal", n_samples=7)
+    assert (s.budget_first, s.budget_most) == (3, 14)  # defaults: G // 2 and 2 G
