@@ -262,9 +262,9 @@ class Buffer:
             return tasks
         out = []
         known = self.histories([(t.prompt_id, t.data_source, t.ground_truth) for t in tasks])
+        first = s.budget_first
         for t, (st, cls) in zip(tasks, known, strict=True):
             _, q = self.prediction(st, cls)
-            first = s.budget_first
             budget = SamplingBudget(
                 rule=s.sampling_rule,
                 first=first,

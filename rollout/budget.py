@@ -21,11 +21,11 @@ it, as any uniform group. A round's size is `round` (the first's `first`), cut s
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 from dataclasses import dataclass
 from typing import Literal
 
+from services.draws import derived_seed
 from services.schemas import SamplingBudget
 
 
@@ -80,5 +80,4 @@ def round_seed(seed: int | None, rounds: int) -> int | None:
     draw the same answers)."""
     if seed is None or rounds <= 1:
         return seed
-    digest = hashlib.blake2b(f"{seed}:round:{rounds}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest) >> 1
+    return derived_seed(seed, "round", str(rounds))

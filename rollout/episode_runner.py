@@ -35,7 +35,6 @@ environment step of the round before the next: the evaluation's way, and the bas
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import re
@@ -52,6 +51,7 @@ from rollout.env_client import EnvClient, EnvUnavailable, Opening
 from rollout.episodes import Ended, Episode, Renderer
 from rollout.metrics import RolloutMetrics
 from rollout.settings import RolloutSettings
+from services.draws import derived_seed
 from services.episodes import StepResponse
 from services.schemas import PromptTask
 from services.streams import Delivery
@@ -472,8 +472,7 @@ def turn_seed(seed: int | None, turn: int, room: int) -> int | None:
     later turn and turn budget (with the episodes' seed, turn k drew the same random numbers as turn 1)."""
     if seed is None or turn == 0:  # the first turn keeps it: a single-turn evaluation samples as it always did
         return seed
-    digest = hashlib.blake2b(f"{seed}:{turn}:{room}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest) >> 1
+    return derived_seed(seed, str(turn), str(room))
 
 
 def same_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:

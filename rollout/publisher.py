@@ -62,10 +62,30 @@ class Generated:
         return Generated(d + other.deliveries, p + other.prompts, o + other.outs, v + other.versions)
 
 
+class Backoff:
+    """Scoring again after the reward server was down: 1, 2, 4 ... 30 s apart, back to 1 s once it answers."""
+
+    def __init__(self) -> None:
+        self.at, self.delay_s = 0.0, REWARD_BACKOFF_S
+
+    def failed(self) -> float:
+        """An outage: the next try waits the current delay (returned), the one after twice as long."""
+        delay, self.at = self.delay_s, time.monotonic() + self.delay_s
+        self.delay_s = min(self.delay_s * 2, REWARD_BACKOFF_MAX_S)
+        return delay
+
+    def answered(self) -> None:
+        self.delay_s = REWARD_BACKOFF_S
+
+    def wait_s(self) -> float:
+        """Seconds until the next try (<= 0: now)."""
+        return self.at - time.monotonic()
+
+
 class Rounds(Protocol):
     """Groups sampled in rounds (rollout/rounds.py, which uses this publisher's scoring: hence a protocol here)."""
 
-    retry_at: float
+    backoff: Backoff
 
     def settle(self, finished: list[tuple[Delivery[PromptTask], list[Episode]]], runner: Any, decode: Any) -> int: ...
     def waiting(self) -> bool: ...
@@ -82,7 +102,7 @@ class Publisher:
     ):
         self.s, self.consumer, self.reward, self.m = s, consumer, reward, metrics
         self.held: Generated | None = None  # generated, held while the reward server is down
-        self.retry_at, self.backoff_s = 0.0, REWARD_BACKOFF_S
+        self.backoff = Backoff()  # of the held groups (held rounds keep their own)
         self.done = 0  # groups published
         self.rounds: Rounds | None = None  # groups sampled in rounds (set by the replica)
 
@@ -92,15 +112,14 @@ class Publisher:
 
     def retry_in(self) -> float:
         """Seconds until the held groups (or held rounds) are scored again (<= 0: now)."""
-        now = time.monotonic()
-        waits = [self.retry_at - now] if self.held is not None else []
+        waits = [self.backoff.wait_s()] if self.held is not None else []
         if self.rounds is not None and self.rounds.waiting():
-            waits.append(self.rounds.retry_at - now)
-        return min(waits) if waits else self.retry_at - now
+            waits.append(self.rounds.backoff.wait_s())
+        return min(waits) if waits else self.backoff.wait_s()
 
     def retry_held(self) -> int:
         """The held groups scored and published once their backoff is over; the groups published."""
-        if self.held is None or self.retry_at > time.monotonic():  # its own backoff (held rounds keep theirs)
+        if self.held is None or self.backoff.wait_s() > 0:  # its own backoff (held rounds keep theirs)
             return 0
         return self.publish(self.held)
 
@@ -141,11 +160,11 @@ class Publisher:
         except RewardUnavailable as e:
             self.m.reward_failures.inc()
             self.held = gen
-            self.retry_at = time.monotonic() + self.backoff_s
-            log.error("%s; %d prompts held, scoring again in %.0f s", e, len(gen.deliveries), self.backoff_s)
-            self.backoff_s = min(self.backoff_s * 2, REWARD_BACKOFF_MAX_S)
+            delay = self.backoff.failed()
+            log.error("%s; %d prompts held, scoring again in %.0f s", e, len(gen.deliveries), delay)
             return 0
-        self.held, self.backoff_s = None, REWARD_BACKOFF_S
+        self.held = None
+        self.backoff.answered()
         scored = {g.group_id for g in groups}
         kept = [d for d in gen.deliveries if d.message.task_id in scored]
         self.consumer.ack_and_publish([d.entry_id for d in kept], [(STREAM_ROLLOUTS, g) for g in groups])
@@ -165,11 +184,15 @@ class Publisher:
             except GroupRefused as e:
                 log.error("prompt %s dead-lettered: %s", d.message.task_id, e)
                 self.consumer.dead_letter([d], "env_rejected", str(e))
-        if good:
-            self.consumer.ack_and_publish([d.entry_id for d, _ in good], [(STREAM_ROLLOUTS, g) for _, g in good])
-        self.m.groups.inc(len(good))
-        self.done += len(good)
-        return len(good)
+        return self.send(good)
+
+    def send(self, groups: list[tuple[Delivery[PromptTask], ScoredGroup]]) -> int:
+        """Scored groups published with their prompts' acknowledgement, in one step; how many."""
+        if groups:
+            self.consumer.ack_and_publish([d.entry_id for d, _ in groups], [(STREAM_ROLLOUTS, g) for _, g in groups])
+        self.m.groups.inc(len(groups))
+        self.done += len(groups)
+        return len(groups)
 
     def score_one_by_one(self, gen: Generated) -> list[ScoredGroup]:
         """After a 4xx for the whole call: each prompt's samples on their own; a prompt whose own request is

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,13 +30,13 @@ from rollout.episode_runner import EpisodeRunner
 from rollout.episodes import Episode
 from rollout.groups import GroupRefused, env_scores, episode_group
 from rollout.metrics import RolloutMetrics
-from rollout.publisher import REWARD_BACKOFF_MAX_S, REWARD_BACKOFF_S, Generated, Publisher
+from rollout.publisher import Backoff, Generated, Publisher
 from rollout.reward_client import RewardRejected, RewardUnavailable
 from rollout.settings import RolloutSettings
 from services.arrays import TokenIds
 from services.draws import uniform
 from services.schemas import GroupSampling, PromptTask, Sample, Score, ScoredGroup
-from services.streams import STREAM_ROLLOUTS, Delivery
+from services.streams import Delivery
 
 log = logging.getLogger(__name__)
 Finished = list[tuple[Delivery[PromptTask], list[Episode]]]
@@ -69,7 +68,7 @@ class Rounds:
         self.s, self.pub, self.m, self.params = s, publisher, metrics, params
         self.drawn: dict[str, _Drawn] = {}  # stream entry id -> what its group drew so far
         self.unscored: Finished = []  # single-turn rounds finished while the reward server was down
-        self.retry_at, self.backoff_s = 0.0, REWARD_BACKOFF_S
+        self.backoff = Backoff()  # of the rounds held to score
 
     def begin(self, runner: EpisodeRunner, d: Delivery[PromptTask], prompt: list[int] | None) -> None:
         """The prompt's first round (its budget's `first` samples)."""
@@ -100,7 +99,7 @@ class Rounds:
                 self.drawn[d.entry_id].episodes += eps
                 self.drawn[d.entry_id].rounds += 1
         ready = [d for d, eps in finished if not (eps and eps[0].one_step)]
-        if self.unscored and time.monotonic() >= self.retry_at:
+        if self.unscored and self.backoff.wait_s() <= 0:
             one_step, self.unscored = self.unscored + one_step, []
         elif self.unscored:
             self.unscored += one_step
@@ -111,11 +110,7 @@ class Rounds:
             group = self.judge(d, runner, decode)
             if group is not None:
                 out.append((d, group))
-        if out:
-            self.pub.consumer.ack_and_publish([d.entry_id for d, _ in out], [(STREAM_ROLLOUTS, g) for _, g in out])
-            self.pub.m.groups.inc(len(out))
-            self.pub.done += len(out)
-        return len(out)
+        return self.pub.send(out)
 
     def score(self, rounds: Finished) -> list[Delivery[PromptTask]]:
         """The single-turn rounds' samples scored (one request), added to their groups; the deliveries scored.
@@ -131,11 +126,10 @@ class Rounds:
         except RewardUnavailable as e:
             self.pub.m.reward_failures.inc()
             self.unscored = rounds
-            self.retry_at = time.monotonic() + self.backoff_s
-            log.error("%s; %d rounds held, scoring again in %.0f s", e, len(rounds), self.backoff_s)
-            self.backoff_s = min(self.backoff_s * 2, REWARD_BACKOFF_MAX_S)
+            delay = self.backoff.failed()
+            log.error("%s; %d rounds held, scoring again in %.0f s", e, len(rounds), delay)
             return []
-        self.backoff_s = REWARD_BACKOFF_S
+        self.backoff.answered()
         by_id = {g.group_id: g for g in groups}
         scored = []
         for d in gen.deliveries:
