@@ -111,6 +111,8 @@ class Run:
     clock: str  # how the evaluations' minutes were found: "eval_at", "scaled" or "learner" (the docstring above)
     k: int | None  # the evaluations' k
     per_trained: tuple[float, float] = (math.nan, math.nan)  # generated samples per trained: whole run, after pass 1
+    tokens_per_trained: float = math.nan  # generated response tokens per trained response token, whole run
+    per_trained_thirds: tuple[float, ...] = ()  # generated per trained sample in each third of the run's steps
 
     @property
     def final(self) -> float:
@@ -176,6 +178,8 @@ def read(path: Path) -> Run:
         clock=clock,
         k=evals[-1].get("eval_k") if evals else None,
         per_trained=generated_per_trained(train),
+        tokens_per_trained=generated_tokens_per_trained(train),
+        per_trained_thirds=generated_per_trained_by_part(train, 3),
     )
 
 
@@ -190,6 +194,29 @@ def generated_per_trained(train: list[dict[str, Any]]) -> tuple[float, float]:
             whole = _ratio(rows[-1], None, num, den)
             return whole, _ratio(rows[-1], later, num, den) if later is not None else math.nan
     return math.nan, math.nan
+
+
+def generated_per_trained_by_part(train: list[dict[str, Any]], parts: int) -> tuple[float, ...]:
+    """Samples generated per sample trained in each of `parts` equal spans of the run's steps (the same steps of two
+    runs: a fair comparison where one run passes over its prompts faster than the other, and later steps draw from
+    prompts the policy has learned). Empty for a run from before the sample counts."""
+    for num, den in (("samples_generated", "samples_trained"), ("groups_received", "groups_kept")):
+        rows = [r for r in train if finite(r.get(num), r.get(den))]
+        if len(rows) >= parts:
+            ends = [rows[round(len(rows) * (i + 1) / parts) - 1] for i in range(parts)]
+            return tuple(_ratio(last, since, num, den) for since, last in zip([None, *ends], ends, strict=False))
+    return ()
+
+
+def generated_tokens_per_trained(train: list[dict[str, Any]]) -> float:
+    """Response tokens the replicas generated per response token trained, up to the last step that knows the
+    replicas' count (`tokens_generated`, from their `dapo_rollout_generated_tokens_total`); NaN for a run from before
+    it. A replica restarted mid-run starts its count again: the ratio is then too low, never too high."""
+    last = next((i for i in range(len(train) - 1, -1, -1) if finite(train[i].get("tokens_generated"))), None)
+    if last is None:
+        return math.nan
+    trained = sum(r.get("response_tokens") or 0.0 for r in train[: last + 1])
+    return train[last]["tokens_generated"] / trained if trained > 0 else math.nan
 
 
 def _ratio(last: dict[str, Any], since: dict[str, Any] | None, num: str, den: str) -> float:
@@ -228,6 +255,8 @@ class Arm:
     diff: tuple[float, float] | None  # final mean − the first arm's, Welch's standard error; None: the first arm
     per_trained: tuple[float, float] = (math.nan, math.nan)  # generated per trained sample, whole run: mean, se
     later_per_trained: tuple[float, float] = (math.nan, math.nan)  # ... after the first pass over the prompts
+    tokens_per_trained: tuple[float, float] = (math.nan, math.nan)  # generated tokens per trained token, whole run
+    per_trained_thirds: tuple[tuple[float, float], ...] = ()  # generated per trained sample, each third of the steps
 
     @property
     def seeds(self) -> list[int | None]:
@@ -265,6 +294,7 @@ STATS = (
     "diff",
     "per_trained",
     "later_per_trained",
+    "tokens_per_trained",
 )  # Arm's (mean or difference, standard error) pairs
 
 
@@ -273,7 +303,8 @@ def _stat(pair: tuple[float, float] | None) -> dict[str, float] | None:
 
 
 def _run_json(r: Run, gain: float) -> dict[str, Any]:
-    keep = ("path", "seed", "preset", "versions", "wall_s", "clock", "k")
+    keep = ("path", "seed", "preset", "versions", "wall_s", "clock", "k", "per_trained", "tokens_per_trained")
+    keep += ("per_trained_thirds",)
     return {f: getattr(r, f) for f in keep} | {
         "final": r.final,
         "best": r.best,
@@ -345,6 +376,10 @@ def summarize(label: str, runs: list[Run], gain: float, first: list[Run] | None)
         diff=welch([r.final for r in runs], [r.final for r in first]) if first is not None else None,
         per_trained=mean_se([r.per_trained[0] for r in runs]),
         later_per_trained=mean_se([r.per_trained[1] for r in runs]),
+        tokens_per_trained=mean_se([r.tokens_per_trained for r in runs]),
+        per_trained_thirds=tuple(
+            mean_se([r.per_trained_thirds[i] for r in runs if r.per_trained_thirds]) for i in range(3)
+        ),
     )
 
 

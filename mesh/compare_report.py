@@ -32,6 +32,15 @@ def _pm(stat: tuple[float, float], signed: bool = False, digits: int = 3) -> str
     return f"{mean:{'+' if signed else ''}.{digits}f} ± {f'{se:.{digits}f}' if math.isfinite(se) else '—'}"
 
 
+def _thirds(parts: tuple[tuple[float, float], ...]) -> str:
+    means = [m for m, _ in parts]
+    return (
+        "—"
+        if not any(math.isfinite(m) for m in means)
+        else " / ".join(f"{m:.2f}" if math.isfinite(m) else "—" for m in means)
+    )
+
+
 def _minutes(m: float | None) -> str:
     return "unknown" if m is None else f"{m:.1f} min"
 
@@ -65,6 +74,8 @@ def sections(c: Comparison) -> list[Section]:
         ("versions trained", [_span(*a.versions) for a in c.arms]),
         ("generated per trained sample", [_pm(a.per_trained, digits=2) for a in c.arms]),
         ("… after the first pass", [_pm(a.later_per_trained, digits=2) for a in c.arms]),
+        ("… in each third of the steps", [_thirds(a.per_trained_thirds) for a in c.arms]),
+        ("generated tokens per trained token", [_pm(a.tokens_per_trained, digits=2) for a in c.arms]),
     ]
     differs = [(key, [_value(v) for v in values]) for key, values in c.differs.items()]
     if not differs:  # one arm, or arms made before runs wrote their config

@@ -148,6 +148,7 @@ def mesh_numbers(states: list[ServiceState]) -> dict[str, float]:
         "samples_generated": generated,
         "samples_trained": trained,
         "generated_per_trained": generated / trained if trained > 0 else math.nan,
+        "tokens_generated": value(states, "dapo_rollout_generated_tokens_total", prefix="rollout"),  # replicas' sum
         **rounds_numbers(states),
         "groups_received": received,
         "groups_kept": kept,

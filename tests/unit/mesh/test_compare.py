@@ -206,3 +206,30 @@ def test_generated_per_trained_whole_and_after_the_first_pass() -> None:
     assert all(math.isnan(x) for x in generated_per_trained([]))
     one_pass = generated_per_trained(rows[:1])
     assert one_pass[0] == 100 / 32 and math.isnan(one_pass[1])  # never past the first pass
+
+
+def test_generated_tokens_per_trained_token() -> None:
+    """The replicas' generated tokens at the last step that knows them, over every trained response token up to it;
+    NaN for a run from before the count."""
+    from mesh.compare import generated_tokens_per_trained
+
+    rows = [
+        {"response_tokens": 1000.0, "tokens_generated": 2500.0},
+        {"response_tokens": 800.0, "tokens_generated": 5400.0},
+        {"response_tokens": 700.0},  # the replicas' scrape missed this step
+    ]
+    assert generated_tokens_per_trained(rows) == 5400.0 / 1800.0
+    assert math.isnan(generated_tokens_per_trained([{"response_tokens": 10.0}]))
+    assert math.isnan(generated_tokens_per_trained([]))
+
+
+def test_generated_per_trained_in_each_third_of_the_steps() -> None:
+    """The same steps of two runs side by side: each span's growth in samples generated over samples trained."""
+    from mesh.compare import generated_per_trained_by_part
+
+    gen = [30, 60, 80, 120, 170, 230]
+    rows = [{"samples_generated": g, "samples_trained": 10 * (i + 1)} for i, g in enumerate(gen)]
+    assert generated_per_trained_by_part(rows, 3) == (60 / 20, 60 / 20, 110 / 20)
+    old = [{"groups_received": g, "groups_kept": 4 * (i + 1)} for i, g in enumerate(gen)]
+    assert generated_per_trained_by_part(old, 2) == (80 / 12, 150 / 12)
+    assert generated_per_trained_by_part(rows[:2], 3) == () and generated_per_trained_by_part([], 3) == ()

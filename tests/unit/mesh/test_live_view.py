@@ -232,10 +232,12 @@ def test_generated_per_trained_and_the_rounds_line() -> None:
     replica = ServiceState("rollout-0", 2, True, True, "ready", {
         "dapo_rollout_group_samples_drawn_sum": [({}, 300.0)], "dapo_rollout_group_samples_drawn_count": [({}, 50.0)],
         "dapo_rollout_group_rounds_sum": [({}, 90.0)], "dapo_rollout_groups_given_up_total": [({}, 10.0)],
-        "dapo_rollout_samples_down_sampled_total": [({}, 24.0)]})  # fmt: skip
+        "dapo_rollout_samples_down_sampled_total": [({}, 24.0)], "dapo_rollout_generated_tokens_total": [({}, 9e3)]})  # fmt: skip  # noqa: E501 -- two metric families a line reads as the replica's page
     n = mesh_numbers([buffer, replica])
     assert n["generated_per_trained"] == 3.3 and n["group_drawn_mean"] == 6.0 and n["group_rounds_mean"] == 1.8
     assert n["groups_given_up_frac"] == 0.2 and n["samples_down_sampled"] == 24
+    other = ServiceState("rollout-1", 3, True, True, "ready", {"dapo_rollout_generated_tokens_total": [({}, 1e3)]})
+    assert mesh_numbers([buffer, replica, other])["tokens_generated"] == 10_000  # every replica's, summed
     assert sampling_line(n) == (
         "samples: 3.30 generated per trained   rounds: 6.0 samples and 1.8 rounds a group, 20% given up, "
         "24 down-sampled"
