@@ -466,7 +466,9 @@ def to_flags(values: dict[str, Any]) -> list[str]:
 
 
 def read_preset(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, dict[str, Any]]:
-    """The file's sections merged over those of its `base` chain."""
+    """The file's sections merged over those of its `base` chain. `base` is a file name, or a list of them merged in
+    order (a later one's keys win): `base = ["../ablations/3-clip-higher.toml", "task.toml"]` is a row of an ablation
+    on another task."""
     path = path.resolve()
     if path in _seen:
         raise PresetError(f"{path}: its base chain loops back to it")
@@ -477,9 +479,14 @@ def read_preset(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, dict[str,
     base = data.pop("base", None)
     if base is None:
         return data
-    if not isinstance(base, str):
-        raise PresetError(f"{path}: base must be a file name, got {base!r}")
-    merged = read_preset(path.parent / base, (*_seen, path))
+    bases = [base] if isinstance(base, str) else base
+    if not isinstance(bases, list) or not bases or not all(isinstance(b, str) for b in bases):
+        raise PresetError(f"{path}: base must be a file name or a list of them, got {base!r}")
+    merged: dict[str, dict[str, Any]] = {}
+    for name in bases:
+        for section, values in read_preset(path.parent / name, (*_seen, path)).items():
+            prev = merged.get(section)  # a stray non-table key is kept as is: load_preset names it
+            merged[section] = prev | values if isinstance(prev, dict) and isinstance(values, dict) else values
     for section, values in data.items():
         if not isinstance(values, dict):
             raise PresetError(f"{path}: {section!r} is not a [section]")

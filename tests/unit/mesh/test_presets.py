@@ -79,3 +79,15 @@ def test_mistakes_are_named(tmp_path: Path) -> None:
     fails("[trainer]\nlr = 1\n", "unknown sections")
     fails('base = "p.toml"\n', "loops back")
     fails('base = "missing.toml"\n', "missing.toml")
+    fails("base = []\n", "a file name or a list of them")
+    fails('base = ["p.toml"]\n', "loops back")
+
+
+def test_a_list_of_bases_merges_in_order(tmp_path: Path) -> None:
+    """A row of an ablation on another task: the row's chain, then the task; the file's own keys last."""
+    (tmp_path / "row.toml").write_text("[learner]\nclip_high = 0.28\nclip_low = 0.2\n[buffer]\ndataset_size = 400\n")
+    (tmp_path / "task.toml").write_text('[mesh]\ndataset = "reasoning_gym:chain_sum"\n[buffer]\ndataset_size = 100\n')
+    (tmp_path / "p.toml").write_text('base = ["row.toml", "task.toml"]\n[learner]\nclip_low = 0.1\n')
+    merged = read_preset(tmp_path / "p.toml")
+    assert merged["learner"] == {"clip_high": 0.28, "clip_low": 0.1}
+    assert merged["buffer"] == {"dataset_size": 100} and merged["mesh"] == {"dataset": "reasoning_gym:chain_sum"}
