@@ -46,6 +46,10 @@ def is_stale(group: ScoredGroup, current_version: int, max_staleness: int) -> bo
     return version_lag(group, current_version) > max_staleness
 
 
-def dispatch_budget(max_staleness: int, batch_size: int, outstanding: int, waiting: int) -> int:
-    """Prompts that may be dispatched now: the staleness budget minus what is generating or waiting."""
-    return max(0, (max_staleness + 1) * batch_size - outstanding - waiting)
+def dispatch_budget(max_staleness: int, batch_size: int, outstanding: int, waiting: int, per_group: int = 1) -> int:
+    """Prompts that may be dispatched now: the staleness budget minus what is generating or waiting. `per_group`:
+    prompts counted as one group's worth of samples — 1 for groups of G in one round; G // sampling_first for groups
+    sampled in rounds, whose prompt mostly costs its first round (given up, or drawn to G only once it holds a
+    signal): counted as whole groups, 8 prompts of G = 8 in flight would leave the replica 16 sequences to batch
+    instead of 64."""
+    return max(0, (max_staleness + 1) * batch_size * per_group - outstanding - waiting)

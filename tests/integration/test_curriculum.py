@@ -264,3 +264,17 @@ def test_the_buffer_sends_each_task_its_budget_with_a_give_up_chance_from_histor
     generated = buffer.m.samples_generated._value.get()
     trained = buffer.m.samples_trained._value.get()
     assert generated == 8 * len(rollout.groups) and trained == 8 * 4 * buffer.m.batches._value.get() > 0
+
+
+def test_a_budget_keeps_a_groups_worth_of_samples_in_flight_per_slot(client: redis.Redis) -> None:
+    """Dispatch keeps (max_staleness + 1) x B groups' worth of samples outstanding: with groups of G = 8 in one round
+    that is 8 prompts; sampled in rounds whose first is 2, four prompts' first rounds make a group's worth, so 32 go
+    out — counted as whole groups, the replica would batch 16 sequences instead of 64 and the learner would wait."""
+    fixed = Buffer(
+        settings(n_samples=8, batch_size=4, max_staleness=1), client, SMALL, BufferMetrics(CollectorRegistry())
+    )
+    assert fixed.dispatch() == 8 and fixed.dispatch() == 0  # nothing came back: the budget is spent
+    client.flushdb()
+    s = settings(sampling_rule="signal", sampling_first=2, sampling_most=8, n_samples=8, batch_size=4, max_staleness=1)
+    rounds = Buffer(s, client, SMALL, BufferMetrics(CollectorRegistry()))
+    assert rounds.dispatch() == 32 and rounds.dispatch() == 0

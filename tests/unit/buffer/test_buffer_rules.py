@@ -56,6 +56,8 @@ def test_dispatch_budget() -> None:
     assert dispatch_budget(1, 8, outstanding=0, waiting=0) == 16
     assert dispatch_budget(1, 8, outstanding=10, waiting=3) == 3
     assert dispatch_budget(0, 8, outstanding=10, waiting=3) == 0  # never negative
+    # groups sampled in rounds of 2 toward G = 8: four first rounds make one group's samples
+    assert dispatch_budget(1, 4, outstanding=10, waiting=4, per_group=4) == 18
 
 
 def test_parse_tasks() -> None:
