@@ -303,8 +303,18 @@ def _stat(pair: tuple[float, float] | None) -> dict[str, float] | None:
 
 
 def _run_json(r: Run, gain: float) -> dict[str, Any]:
-    keep = ("path", "seed", "preset", "versions", "wall_s", "clock", "k", "per_trained", "tokens_per_trained")
-    keep += ("per_trained_thirds",)
+    keep = (
+        "path",
+        "seed",
+        "preset",
+        "versions",
+        "wall_s",
+        "clock",
+        "k",
+        "per_trained",
+        "tokens_per_trained",
+        "per_trained_thirds",
+    )
     return {f: getattr(r, f) for f in keep} | {
         "final": r.final,
         "best": r.best,
