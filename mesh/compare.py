@@ -45,6 +45,7 @@ def ignored(key: str) -> bool:
     return key in IGNORED or key.startswith("tracking.")
 
 
+THIRDS = 3  # generated per trained sample is reported for each of this many equal spans of a run's steps
 DEFAULT_GAIN = 0.20  # held-out avg@k points over the first evaluation that "time to gain" waits for
 _SEED = re.compile(r"^(?P<name>.+)-seed(?P<seed>\d+)$")
 
@@ -179,7 +180,7 @@ def read(path: Path) -> Run:
         k=evals[-1].get("eval_k") if evals else None,
         per_trained=generated_per_trained(train),
         tokens_per_trained=generated_tokens_per_trained(train),
-        per_trained_thirds=generated_per_trained_by_part(train, 3),
+        per_trained_thirds=generated_per_trained_by_part(train, THIRDS),
     )
 
 
@@ -187,25 +188,35 @@ def generated_per_trained(train: list[dict[str, Any]]) -> tuple[float, float]:
     """Samples generated per sample trained over the whole run and after the first pass over the training prompts
     (from the first step the dispatch cursor was in epoch 1): from the buffer's sample counts, or — a run from before
     them, its groups all of G — its groups received per group kept. NaN where unknown."""
+    counted = _counts(train, least=1)
+    if counted is None:
+        return math.nan, math.nan
+    rows, num, den = counted
+    later = next((r for r in rows if (r.get("epoch") or 0) >= 1), None)
+    whole = _ratio(rows[-1], None, num, den)
+    return whole, _ratio(rows[-1], later, num, den) if later is not None else math.nan
+
+
+def _counts(train: list[dict[str, Any]], least: int) -> tuple[list[dict[str, Any]], str, str] | None:
+    """(the steps that count, what was generated, what was trained): the buffer's sample counts, else its group
+    counts (a run from before them); None where fewer than `least` steps count either."""
     for num, den in (("samples_generated", "samples_trained"), ("groups_received", "groups_kept")):
         rows = [r for r in train if finite(r.get(num), r.get(den))]
-        if rows:
-            later = next((r for r in rows if (r.get("epoch") or 0) >= 1), None)
-            whole = _ratio(rows[-1], None, num, den)
-            return whole, _ratio(rows[-1], later, num, den) if later is not None else math.nan
-    return math.nan, math.nan
+        if len(rows) >= least:
+            return rows, num, den
+    return None
 
 
 def generated_per_trained_by_part(train: list[dict[str, Any]], parts: int) -> tuple[float, ...]:
     """Samples generated per sample trained in each of `parts` equal spans of the run's steps (the same steps of two
     runs: a fair comparison where one run passes over its prompts faster than the other, and later steps draw from
-    prompts the policy has learned). Empty for a run from before the sample counts."""
-    for num, den in (("samples_generated", "samples_trained"), ("groups_received", "groups_kept")):
-        rows = [r for r in train if finite(r.get(num), r.get(den))]
-        if len(rows) >= parts:
-            ends = [rows[round(len(rows) * (i + 1) / parts) - 1] for i in range(parts)]
-            return tuple(_ratio(last, since, num, den) for since, last in zip([None, *ends], ends, strict=False))
-    return ()
+    prompts the policy has learned). Empty where fewer steps than `parts` count."""
+    counted = _counts(train, least=parts)
+    if counted is None:
+        return ()
+    rows, num, den = counted
+    ends = [rows[round(len(rows) * (i + 1) / parts) - 1] for i in range(parts)]
+    return tuple(_ratio(last, since, num, den) for since, last in zip([None, *ends], ends, strict=False))
 
 
 def generated_tokens_per_trained(train: list[dict[str, Any]]) -> float:
@@ -388,7 +399,7 @@ def summarize(label: str, runs: list[Run], gain: float, first: list[Run] | None)
         later_per_trained=mean_se([r.per_trained[1] for r in runs]),
         tokens_per_trained=mean_se([r.tokens_per_trained for r in runs]),
         per_trained_thirds=tuple(
-            mean_se([r.per_trained_thirds[i] for r in runs if r.per_trained_thirds]) for i in range(3)
+            mean_se([r.per_trained_thirds[i] for r in runs if r.per_trained_thirds]) for i in range(THIRDS)
         ),
     )
 
