@@ -484,14 +484,19 @@ def read_preset(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, dict[str,
         raise PresetError(f"{path}: base must be a file name or a list of them, got {base!r}")
     merged: dict[str, dict[str, Any]] = {}
     for name in bases:
-        for section, values in read_preset(path.parent / name, (*_seen, path)).items():
-            prev = merged.get(section)  # a stray non-table key is kept as is: load_preset names it
-            merged[section] = prev | values if isinstance(prev, dict) and isinstance(values, dict) else values
+        _merge_sections(merged, read_preset(path.parent / name, (*_seen, path)))
     for section, values in data.items():
         if not isinstance(values, dict):
             raise PresetError(f"{path}: {section!r} is not a [section]")
-        merged[section] = merged.get(section, {}) | values
+    _merge_sections(merged, data)
     return merged
+
+
+def _merge_sections(into: dict[str, Any], more: dict[str, Any]) -> None:
+    """`more`'s sections over `into`'s, key by key (a stray non-table key replaces: load_preset names it)."""
+    for section, values in more.items():
+        prev = into.get(section)
+        into[section] = prev | values if isinstance(prev, dict) and isinstance(values, dict) else values
 
 
 def load_preset(path: Path) -> Preset:
