@@ -198,8 +198,8 @@ class Buffer:
             self.m.paused.set(0)
         outstanding, waiting = self.counts()
         self.m.in_flight.set(outstanding)
-        per_group = 1 if s.sampling_rule == "fixed" else max(1, s.n_samples // s.budget_first)
-        n = min(dispatch_budget(s.max_staleness, s.batch_size, outstanding, waiting, per_group), DISPATCH_CHUNK)
+        budget = dispatch_budget(s.max_staleness, s.batch_size, outstanding, waiting, s.prompts_per_slot)
+        n = min(budget, DISPATCH_CHUNK)
         version = self.policy_version()
         tasks: list[PromptTask] = []
         scanned = 0

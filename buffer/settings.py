@@ -146,6 +146,13 @@ class BufferSettings(ServiceSettings, RedisSettings):
     def budget_most(self) -> int:
         return self.sampling_most or 2 * self.n_samples
 
+    @property
+    def prompts_per_slot(self) -> int:
+        """Prompts dispatch keeps in flight per staleness slot of a batch: one with `fixed` (a prompt brings G
+        samples); with a budget, G / the first round's size, so that the replica has a group's worth of samples to
+        batch whatever the rule."""
+        return 1 if self.sampling_rule == "fixed" else max(1, self.n_samples // self.budget_first)
+
     @model_validator(mode="after")
     def _curriculum_predicts_the_filter(self) -> Self:
         """The curriculum predicts DAPO's accuracy filter: without it (or with the reward-std filter) it would skip

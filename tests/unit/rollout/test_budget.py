@@ -145,3 +145,6 @@ def test_budgets_need_dynamic_sampling_and_room_for_the_group() -> None:
         BufferSettings(sampling_rule="signal", n_samples=8, sampling_most=6)
     s = BufferSettings(sampling_rule="signal", n_samples=7)
     assert (s.budget_first, s.budget_most) == (3, 14)  # defaults: G // 2 and 2 G
+    # dispatch keeps a group's worth of samples in flight per slot: 7 // 3 first rounds; fixed: one prompt
+    assert s.prompts_per_slot == 2 and BufferSettings(n_samples=8).prompts_per_slot == 1
+    assert BufferSettings(sampling_rule="signal", n_samples=8, sampling_first=2).prompts_per_slot == 4
