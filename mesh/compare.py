@@ -8,10 +8,12 @@ of a metrics.jsonl named NAME.metrics.jsonl, as the docs keep them. Runs whose c
 `run_dir` form an arm; a run without config.json (made before the mesh wrote one) is grouped by its directory's name
 less a trailing "-seed<N>", which also gives its seed. Per arm: the final and best held-out avg@k and the final
 pass@k, each as mean ± standard error over the seeds (std/√n), the mean wall time, the minutes until held-out avg@k
-first stood `gain` above the run's first evaluation, the versions trained, and the difference of the arm's final
-mean from the first arm's with Welch's standard error √(s1²/n1 + s2²/n2). The config keys whose values differ
-between arms head the table. Written, with `out`, to OUT/compare.md, OUT/compare.json and OUT/compare.png (the
-held-out curves by version and by wall-clock minutes, the batch reward by step: a colour per arm).
+first stood `gain` above the run's first evaluation, the versions trained, the difference of the arm's final
+mean from the first arm's with Welch's standard error √(s1²/n1 + s2²/n2), generated samples per trained one and the
+policy's token entropy in each third of the steps (its collapse is what DAPO's clip-higher is for). The config keys
+whose values differ between arms head the table. Written, with `out`, to OUT/compare.md, OUT/compare.json and
+OUT/compare.png (the held-out curves by version and by wall-clock minutes, the batch reward and the token entropy by
+step: a colour per arm).
 
 Time. A run's wall time is cpu.json's `wall_s` (written when the mesh stops); without it, the span of its
 evaluations' `eval_at` stamps; else unknown (train rows carry no timestamp: their `seconds` is the learner's compute
@@ -107,6 +109,7 @@ class Run:
     config: dict[str, Any] | None  # flattened (learner.clip_high); None: no config.json
     evals: list[Eval]
     rewards: list[tuple[int, float]]  # (step, batch reward_mean)
+    entropy: list[tuple[int, float]]  # (step, the batch's mean token entropy under the learner's policy)
     versions: int  # the newest policy version trained
     wall_s: float | None
     clock: str  # how the evaluations' minutes were found: "eval_at", "scaled" or "learner" (the docstring above)
@@ -114,6 +117,11 @@ class Run:
     per_trained: tuple[float, float] = (math.nan, math.nan)  # generated samples per trained: whole run, after pass 1
     tokens_per_trained: float = math.nan  # generated response tokens per trained response token, whole run
     per_trained_thirds: tuple[float, ...] = ()  # generated per trained sample in each third of the run's steps
+
+    @property
+    def entropy_thirds(self) -> tuple[float, ...]:
+        """The mean token entropy over each third of the run's steps; empty with fewer steps than thirds."""
+        return parts_mean([h for _, h in self.entropy], THIRDS)
 
     @property
     def final(self) -> float:
@@ -174,6 +182,7 @@ def read(path: Path) -> Run:
             for r, m in zip(evals, minutes, strict=True)
         ],
         rewards=[(r["step"], r["reward_mean"]) for r in train if finite(r.get("reward_mean"))],
+        entropy=[(r["step"], r["entropy"]) for r in train if finite(r.get("entropy"))],
         versions=max((r["policy_version"] for r in train), default=0),
         wall_s=wall,
         clock=clock,
@@ -182,6 +191,14 @@ def read(path: Path) -> Run:
         tokens_per_trained=generated_tokens_per_trained(train),
         per_trained_thirds=generated_per_trained_by_part(train, THIRDS),
     )
+
+
+def parts_mean(xs: list[float], parts: int) -> tuple[float, ...]:
+    """The mean of each of `parts` equal spans of `xs` (as the steps are cut for the thirds); () if too few."""
+    if len(xs) < parts:
+        return ()
+    cuts = [round(len(xs) * i / parts) for i in range(parts + 1)]
+    return tuple(statistics.fmean(xs[a:b]) for a, b in zip(cuts, cuts[1:], strict=False))
 
 
 def generated_per_trained(train: list[dict[str, Any]]) -> tuple[float, float]:
@@ -268,6 +285,7 @@ class Arm:
     later_per_trained: tuple[float, float] = (math.nan, math.nan)  # ... after the first pass over the prompts
     tokens_per_trained: tuple[float, float] = (math.nan, math.nan)  # generated tokens per trained token, whole run
     per_trained_thirds: tuple[tuple[float, float], ...] = ()  # generated per trained sample, each third of the steps
+    entropy_thirds: tuple[tuple[float, float], ...] = ()  # token entropy, each third of the steps: mean, se
 
     @property
     def seeds(self) -> list[int | None]:
@@ -325,6 +343,7 @@ def _run_json(r: Run, gain: float) -> dict[str, Any]:
         "per_trained",
         "tokens_per_trained",
         "per_trained_thirds",
+        "entropy_thirds",
     )
     return {f: getattr(r, f) for f in keep} | {
         "final": r.final,
@@ -398,10 +417,14 @@ def summarize(label: str, runs: list[Run], gain: float, first: list[Run] | None)
         per_trained=mean_se([r.per_trained[0] for r in runs]),
         later_per_trained=mean_se([r.per_trained[1] for r in runs]),
         tokens_per_trained=mean_se([r.tokens_per_trained for r in runs]),
-        per_trained_thirds=tuple(
-            mean_se([r.per_trained_thirds[i] for r in runs if r.per_trained_thirds]) for i in range(THIRDS)
-        ),
+        per_trained_thirds=_thirds_mean_se([r.per_trained_thirds for r in runs]),
+        entropy_thirds=_thirds_mean_se([r.entropy_thirds for r in runs]),
     )
+
+
+def _thirds_mean_se(runs: list[tuple[float, ...]]) -> tuple[tuple[float, float], ...]:
+    """Each third's mean ± standard error over the runs that have thirds."""
+    return tuple(mean_se([t[i] for t in runs if t]) for i in range(THIRDS))
 
 
 def comparison(run_dirs: list[Path], gain: float = DEFAULT_GAIN) -> Comparison:

@@ -76,6 +76,7 @@ def sections(c: Comparison) -> list[Section]:
         ("… after the first pass", [_pm(a.later_per_trained, digits=2) for a in c.arms]),
         ("… in each third of the steps", [_thirds(a.per_trained_thirds) for a in c.arms]),
         ("generated tokens per trained token", [_pm(a.tokens_per_trained, digits=2) for a in c.arms]),
+        ("token entropy in each third of the steps", [_thirds(a.entropy_thirds) for a in c.arms]),
     ]
     differs = [(key, [_value(v) for v in values]) for key, values in c.differs.items()]
     if not differs:  # one arm, or arms made before runs wrote their config
@@ -131,14 +132,16 @@ def table(c: Comparison) -> Table:
 
 
 def draw(c: Comparison, out: Path) -> Path:
-    """Held-out avg@k by policy version and by minutes since the run's start, batch reward by step: a thin line
-    per run, a thick one per arm (the mean over its runs at the versions or steps they share), a colour per arm."""
+    """Held-out avg@k by policy version and by minutes since the run's start, batch reward and token entropy by
+    step: a thin line per run, a thick one per arm (the mean over its runs at the versions or steps they share), a
+    colour per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
+    fig, grid = plt.subplots(2, 2, figsize=(13, 9), constrained_layout=True)
+    axes = grid.ravel()
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     k = f"avg@{c.k}" if c.k else "avg@k"
     for i, arm in enumerate(c.arms):
@@ -148,9 +151,10 @@ def draw(c: Comparison, out: Path) -> Path:
         _overlay(axes[0], [{v: acc for v, (_, acc) in run.items()} for run in by_version], style, label)
         _overlay(axes[1], by_version, style, label, xy=True)
         _overlay(axes[2], [dict(r.rewards) for r in arm.runs], style, label)
+        _overlay(axes[3], [dict(r.entropy) for r in arm.runs], style, label)
     estimated = any(r.clock != "eval_at" for a in c.arms for r in a.runs)  # old runs: no timestamps
-    titles = (f"held-out {k}", f"held-out {k}" + " (minutes estimated)" * estimated, "batch reward")
-    xlabels = ("policy version", "minutes since the run's start", "learner step")
+    titles = (f"held-out {k}", f"held-out {k}" + " (minutes estimated)" * estimated, "batch reward", "token entropy")
+    xlabels = ("policy version", "minutes since the run's start", "learner step", "learner step")
     for ax, title, xlabel in zip(axes, titles, xlabels, strict=True):
         ax.set_title(title)
         ax.set_xlabel(xlabel)

@@ -28,12 +28,15 @@ def write_run(
     preset: str | None = "configs/dapo.toml",
     wall_s: float | None = None,
     stamped: bool = True,
+    entropy: float = 0.0,
 ) -> Path:
-    """A run as the mesh writes it: metrics.jsonl (train rows, eval rows stamped with eval_at unless not
-    `stamped`), config.json when `config`, cpu.json when `wall_s`."""
+    """A run as the mesh writes it: metrics.jsonl (train rows, their token entropy 2 − 0.4·step + `entropy`; eval
+    rows stamped with eval_at unless not `stamped`), config.json when `config`, cpu.json when `wall_s`."""
     run_dir.mkdir(parents=True)
     rows: list[dict[str, Any]] = [
-        {"kind": "train", "step": v, "policy_version": v, "reward_mean": v / 10, "seconds": 10.0} for v in (1, 2, 3, 4)
+        {"kind": "train", "step": v, "policy_version": v, "reward_mean": v / 10, "seconds": 10.0}
+        | {"entropy": 2.0 - 0.4 * v + entropy}
+        for v in (1, 2, 3, 4)
     ]
     for v, acc, pass_k in evals:  # the first evaluation takes 60 s from the start; then one every 10 minutes
         stamp = {"eval_at": START + 60 + v * 300 - (60 if v else 0)} if stamped else {}
@@ -83,7 +86,8 @@ def synthetic(root: Path, preset: str | None = "configs/dapo.toml") -> list[Path
             d = root / f"{arm}-seed{seed}"
             evals = [(0, 0.10, 0.2), (2, mid, 0.3), (4, final, pass_k)]
             wall = 1200 + 60 * seed if arm == "a" else None
-            runs.append(write_run(d, evals, config=config(d, seed, clip), preset=preset, wall_s=wall))
+            shift = 0.1 * seed if arm == "a" else 0.0
+            runs.append(write_run(d, evals, config=config(d, seed, clip), preset=preset, wall_s=wall, entropy=shift))
     runs.append(
         write_run(root / "old-seed7", [(0, 0.1, 0.2), (2, 0.15, 0.2), (4, 0.2, 0.3)], wall_s=120, stamped=False)
     )
@@ -117,6 +121,12 @@ def test_arms_their_means_standard_errors_welch_and_times(tmp_path: Path) -> Non
     )
     assert "| final − dapo (learner.clip_high=0.28) (± Welch se) | — | -0.080 ± 0.031 | -0.200 ± — |" in md
     assert "| time to +0.20 avg@4 over the first eval | 13.3 min (3 of 3) | 20.0 min (2 of 2) | not reached |" in md
+    # token entropy 1.6, 1.2, 0.8, 0.4 over steps 1-4, thirds [1] [2 3] [4], arm A's seeds shifted by 0.1, 0.2, 0.3
+    assert [x for pair in a.entropy_thirds for x in pair] == pytest.approx(
+        [1.8, 0.1 / 3**0.5, 1.2, 0.1 / 3**0.5, 0.6, 0.1 / 3**0.5]
+    )
+    assert b.runs[0].entropy_thirds == pytest.approx((1.6, 1.0, 0.4))
+    assert "| token entropy in each third of the steps | 1.80 / 1.20 / 0.60 | 1.60 / 1.00 / 0.40 |" in md
     saved = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert saved["arms"][1]["diff"] == pytest.approx({"mean": -0.08, "se": 0.030550504633})
     assert saved["arms"][2]["final"]["se"] is None and saved["arms"][0]["runs"][0]["minutes_to_gain"] == 20.0
@@ -233,3 +243,11 @@ def test_generated_per_trained_in_each_third_of_the_steps() -> None:
     old = [{"groups_received": g, "groups_kept": 4 * (i + 1)} for i, g in enumerate(gen)]
     assert generated_per_trained_by_part(old, 2) == (80 / 12, 150 / 12)
     assert generated_per_trained_by_part(rows[:2], 3) == () and generated_per_trained_by_part([], 3) == ()
+
+
+def test_the_mean_of_each_part_cuts_where_the_thirds_of_the_steps_are_cut() -> None:
+    from mesh.compare import parts_mean
+
+    assert parts_mean([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3) == (1.5, 3.5, 5.5)
+    assert parts_mean([3.0, 1.0, 2.0, 6.0, 5.0], 2) == (2.0, 13 / 3)  # cuts at round(2.5) = 2: [3 1] [2 6 5]
+    assert parts_mean([1.0, 2.0], 3) == ()
