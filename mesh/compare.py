@@ -117,6 +117,7 @@ class Run:
     per_trained: tuple[float, float] = (math.nan, math.nan)  # generated samples per trained: whole run, after pass 1
     tokens_per_trained: float = math.nan  # generated response tokens per trained response token, whole run
     per_trained_thirds: tuple[float, ...] = ()  # generated per trained sample in each third of the run's steps
+    machine: str | None = None  # cpu.json's machine ("AMD EPYC, 2 cores, avx512_bf16"); None: not recorded
 
     @property
     def entropy_thirds(self) -> tuple[float, ...]:
@@ -153,7 +154,7 @@ def read(path: Path) -> Run:
     if path.is_file() and path.name.endswith("metrics.jsonl"):
         metrics, stem = path, path.name.removesuffix("metrics.jsonl").rstrip(".") or path.parent.name
         saved: dict[str, Any] = {}
-        wall = None
+        wall, where = None, None
     else:
         layout = RunLayout(path)
         metrics, stem = layout.metrics, path.resolve().name
@@ -161,7 +162,8 @@ def read(path: Path) -> Run:
             raise NotARun(f"{path} is not a run: it has no metrics.jsonl")
         config_file, cpu = layout.config, layout.cpu
         saved = json.loads(config_file.read_text()) if config_file.exists() else {}
-        wall = json.loads(cpu.read_text()).get("wall_s") if cpu.exists() else None
+        cost = json.loads(cpu.read_text()) if cpu.exists() else {}
+        wall, where = cost.get("wall_s"), _machine(cost.get("machine"))
     rows = metric_rows(metrics)
     match = _SEED.match(stem)
     config = flatten(saved["config"]) if isinstance(saved.get("config"), dict) else None
@@ -190,7 +192,15 @@ def read(path: Path) -> Run:
         per_trained=generated_per_trained(train),
         tokens_per_trained=generated_tokens_per_trained(train),
         per_trained_thirds=generated_per_trained_by_part(train, THIRDS),
+        machine=where,
     )
+
+
+def _machine(m: Any) -> str | None:
+    """cpu.json's machine in words: "AMD EPYC, 2 cores, avx512_bf16" (bf16 kernels: none = emulated)."""
+    if not isinstance(m, dict):
+        return None
+    return f"{m.get('cpu', 'unknown')}, {m.get('cores')} cores, {', '.join(m.get('bf16') or []) or 'no bf16 kernels'}"
 
 
 def parts_mean(xs: list[float], parts: int) -> tuple[float, ...]:
@@ -344,6 +354,7 @@ def _run_json(r: Run, gain: float) -> dict[str, Any]:
         "tokens_per_trained",
         "per_trained_thirds",
         "entropy_thirds",
+        "machine",
     )
     return {f: getattr(r, f) for f in keep} | {
         "final": r.final,

@@ -97,6 +97,14 @@ def markdown(c: Comparison) -> str:
     unknown = [a.label for a in c.arms if a.runs[0].config is None]
     if unknown:
         out.append(f"\nWithout config.json (grouped by directory name, seed from it): {', '.join(unknown)}.")
+    machines: dict[str, list[str]] = {}
+    for r in (r for a in c.arms for r in a.runs):
+        machines.setdefault(r.machine or "not recorded (a run from before cpu.json kept it)", []).append(r.path.name)
+    if len(machines) > 1 or None not in {r.machine for a in c.arms for r in a.runs}:
+        out.append(
+            "\nMachines (compare times only within one): "
+            + "; ".join(f"{m}: {', '.join(n)}" for m, n in machines.items())
+        )
     clocks = sorted({r.clock for a in c.arms for r in a.runs})
     out.append("\nMinutes since each run's start: " + "; ".join(f"{_clock_runs(c, k)}: {CLOCKS[k]}" for k in clocks))
     return "\n".join(out)

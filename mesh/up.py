@@ -34,6 +34,7 @@ from mesh.live import LiveView, ServiceState, scrape
 from mesh.recorder import RunRecorder, line
 from mesh.supervisor import Supervisor
 from services.child_process import ROOT, wait_ready
+from services.dtype import machine
 from services.schemas import CLIENT_SCORED
 from services.settings import redact
 from services.snapshots import write_atomic
@@ -294,8 +295,8 @@ class Mesh:
             self.sup.stop()
 
     def account_cpu(self) -> dict[str, Any]:
-        """cpu.json: CPU seconds of every service and of this orchestrator (live view, scrapes, recorder), and the
-        orchestrator's share of the run's CPU (goal: under 1%)."""
+        """cpu.json: CPU seconds of every service and of this orchestrator (live view, scrapes, recorder), the
+        orchestrator's share of the run's CPU (goal: under 1%), and the machine the times were measured on."""
         services = self.sup.cpu_seconds()
         mine = time.process_time() - self._cpu0
         total = mine + sum(services.values())
@@ -305,6 +306,7 @@ class Mesh:
             "orchestrator_s": mine,
             "services_s": services,
             "orchestrator_share": share,
+            "machine": machine(),
         }
         self.paths.cpu.write_text(json.dumps(report, indent=1))
         self.say(

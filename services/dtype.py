@@ -12,6 +12,7 @@ fp32 whatever the dtype (learner/logprobs.py upcasts each chunk of logits).
 from __future__ import annotations
 
 import logging
+import os
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -24,14 +25,35 @@ Dtype = Literal["bf16", "fp32"]
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ("model name", "flags", ...); {} where it cannot be read."""
+    fields: dict[str, str] = {}
     try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+        text = cpuinfo.read_text()
     except OSError:
-        pass
-    return set()
+        return fields
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block ends
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    return set(cpu_info(cpuinfo).get("flags", "").split())
+
+
+def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, object]:
+    """What a timing was measured on, as run records keep it: the CPU's model, its cores, its bf16 kernels."""
+    info = cpu_info(cpuinfo)
+    flags = set(info.get("flags", "").split())
+    return {
+        "cpu": info.get("model name", "unknown"),
+        "cores": os.cpu_count(),
+        "bf16": sorted(flags & set(CPU_BF16_FLAGS)),  # [] : none (emulated); amx_bf16: AMX
+    }
 
 
 @cache

@@ -99,6 +99,7 @@ def test_dapo_mesh_up_tiny_with_prometheus(tmp_path: Path) -> None:
     cpu = json.loads((run_dir / "cpu.json").read_text())  # what each process cost, the orchestrator's share
     assert set(SERVICES) <= set(cpu["services_s"]) and all(v > 0 for v in cpu["services_s"].values())
     assert 0 < cpu["orchestrator_share"] < 1 and "CPU: orchestrator" in stdout
+    assert cpu["machine"]["cores"] == os.cpu_count() and cpu["machine"]["cpu"]  # what the times were measured on
     if prom is not None:
         assert seen_up == set(SERVICES), f"Prometheus saw up == 1 only for {seen_up}"
         assert seen_counting == set(SERVICES), f"counters moved only for {seen_counting}"

@@ -12,7 +12,7 @@ import torch
 from learner.batching import microbatches, token_microbatches
 from learner.logprobs import chunked_logprobs
 from learner.loss import token_logprobs_and_entropy
-from services.dtype import cpu_flags, resolve_dtype
+from services.dtype import cpu_flags, machine, resolve_dtype
 from services.placement import parse_cores, place
 
 
@@ -117,9 +117,14 @@ def test_dtype_resolution_falls_back_to_fp32_with_one_line(caplog: pytest.LogCap
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile\nbugs\t: none\n")
+    first = (
+        "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile\nbugs\t: none\n"
+    )
+    info.write_text(first + "\nprocessor\t: 1\nmodel name\t: other\nflags\t\t: amx_bf16\n")  # the first one's
     assert {"avx512_bf16", "amx_tile", "fpu"} <= cpu_flags(info) and "amx_bf16" not in cpu_flags(info)
     assert cpu_flags(tmp_path / "missing") == set()
+    assert machine(info) == {"cpu": "AMD EPYC 9R14", "cores": os.cpu_count(), "bf16": ["avx512_bf16"]}
+    assert machine(tmp_path / "missing")["cpu"] == "unknown"
 
 
 def test_core_lists_parse_and_bad_ones_are_named() -> None:

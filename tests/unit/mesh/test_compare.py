@@ -251,3 +251,17 @@ def test_the_mean_of_each_part_cuts_where_the_thirds_of_the_steps_are_cut() -> N
     assert parts_mean([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3) == (1.5, 3.5, 5.5)
     assert parts_mean([3.0, 1.0, 2.0, 6.0, 5.0], 2) == (2.0, 13 / 3)  # cuts at round(2.5) = 2: [3 1] [2 6 5]
     assert parts_mean([1.0, 2.0], 3) == ()
+
+
+def test_each_runs_machine_is_named_so_that_times_are_compared_within_one(tmp_path: Path) -> None:
+    from mesh.compare_report import markdown
+
+    runs = synthetic(tmp_path / "runs")[:2]
+    cost = json.loads((runs[0] / "cpu.json").read_text())
+    cost["machine"] = {"cpu": "AMD EPYC", "cores": 2, "bf16": ["avx512_bf16"]}
+    (runs[0] / "cpu.json").write_text(json.dumps(cost))
+    c = compare(runs, None)
+    assert [r.machine for r in c.arms[0].runs] == ["AMD EPYC, 2 cores, avx512_bf16", None]
+    line = next(x for x in markdown(c).splitlines() if x.startswith("Machines"))
+    assert "AMD EPYC, 2 cores, avx512_bf16: a-seed1" in line and "not recorded" in line and "a-seed2" in line
+    assert not any(x.startswith("Machines") for x in markdown(compare(synthetic(tmp_path / "old"), None)).splitlines())
