@@ -207,8 +207,13 @@ def parts_mean(xs: list[float], parts: int) -> tuple[float, ...]:
     """The mean of each of `parts` equal spans of `xs` (as the steps are cut for the thirds); () if too few."""
     if len(xs) < parts:
         return ()
-    cuts = [round(len(xs) * i / parts) for i in range(parts + 1)]
-    return tuple(statistics.fmean(xs[a:b]) for a, b in zip(cuts, cuts[1:], strict=False))
+    return tuple(statistics.fmean(xs[a:b]) for a, b in _spans(len(xs), parts))
+
+
+def _spans(n: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` equal spans [start, end) of n items, as every "in each third of the steps" cuts them."""
+    cuts = [round(n * i / parts) for i in range(parts + 1)]
+    return list(zip(cuts, cuts[1:], strict=False))
 
 
 def generated_per_trained(train: list[dict[str, Any]]) -> tuple[float, float]:
@@ -242,7 +247,7 @@ def generated_per_trained_by_part(train: list[dict[str, Any]], parts: int) -> tu
     if counted is None:
         return ()
     rows, num, den = counted
-    ends = [rows[round(len(rows) * (i + 1) / parts) - 1] for i in range(parts)]
+    ends = [rows[end - 1] for _, end in _spans(len(rows), parts)]
     return tuple(_ratio(last, since, num, den) for since, last in zip([None, *ends], ends, strict=False))
 
 

@@ -22,6 +22,7 @@ CLOCKS = {  # Run.clock -> how its minutes were found (mesh/compare.py's docstri
     "scaled": "estimated from the learner's seconds per step, stretched to the run's wall time",
     "learner": "the learner's seconds per step: a lower bound (no wall time known)",
 }
+UNRECORDED = "not recorded (a run from before cpu.json kept it)"  # a run's machine, without cpu.json's
 Section = tuple[str, list[tuple[str, list[str]]]]  # (title, [(row name, a cell per arm)])
 
 
@@ -99,8 +100,8 @@ def markdown(c: Comparison) -> str:
         out.append(f"\nWithout config.json (grouped by directory name, seed from it): {', '.join(unknown)}.")
     machines: dict[str, list[str]] = {}
     for r in (r for a in c.arms for r in a.runs):
-        machines.setdefault(r.machine or "not recorded (a run from before cpu.json kept it)", []).append(r.path.name)
-    if len(machines) > 1 or None not in {r.machine for a in c.arms for r in a.runs}:
+        machines.setdefault(r.machine or UNRECORDED, []).append(r.path.name)
+    if len(machines) > 1 or UNRECORDED not in machines:
         out.append(
             "\nMachines (compare times only within one): "
             + "; ".join(f"{m}: {', '.join(n)}" for m, n in machines.items())
