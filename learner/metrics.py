@@ -22,6 +22,9 @@ class LearnerMetrics:
         self.loss = gauge("loss", "Policy loss, last batch.")
         self.clip_fraction = gauge("clip_fraction", "Fraction of tokens clipped, last batch.", ("side",))
         self.entropy = gauge("entropy", "Mean token entropy, last batch.")
+        self.truncated = gauge(
+            "truncated_fraction", "Samples of the last batch cut at the length bound (what the overlong filter masks)."
+        )
         self.approx_kl = gauge("approx_kl", "k1 estimate of KL(old || new), last batch.")
         self.grad_norm = gauge("grad_norm", "Largest pre-clip gradient norm, last batch.")
         self.lr = gauge("lr", "Learning rate.")
@@ -71,6 +74,7 @@ class LearnerMetrics:
         for side in ("upper", "lower", "dual"):
             self.clip_fraction.labels(side).set(m.get(f"clip_frac_{side}", 0.0))
         self.entropy.set(m.get("entropy", 0.0))
+        self.truncated.set(m.get("truncated_frac", 0.0))
         self.approx_kl.set(m.get("approx_kl", 0.0))
         self.grad_norm.set(m["grad_norm"])
         self.lr.set(m["lr"])
