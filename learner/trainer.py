@@ -257,6 +257,7 @@ class Trainer:
             "lr": lr,
             "reward_mean": float(t.rewards.mean()),
             "acc_mean": sum(sc.acc for g in batch.groups for sc in g.scores) / max(1, len(t)),
+            "batch_samples": float(len(t)),
             "truncated_frac": float(t.truncated.float().mean()) if len(t) else 0.0,  # cut at the length bound
             "entropy": self._entropy,
         } | self._gap

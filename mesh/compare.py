@@ -10,7 +10,9 @@ less a trailing "-seed<N>", which also gives its seed. Per arm: the final and be
 pass@k, each as mean ± standard error over the seeds (std/√n), the mean wall time, the minutes until held-out avg@k
 first stood `gain` above the run's first evaluation, the versions trained, the difference of the arm's final
 mean from the first arm's with Welch's standard error √(s1²/n1 + s2²/n2), generated samples per trained one and the
-policy's token entropy in each third of the steps (its collapse is what DAPO's clip-higher is for). The config keys
+policy's token entropy in each third of the steps (its collapse is what DAPO's clip-higher is for), the response
+tokens per trained sample and the share of trained samples cut at the length bound in each third (what DAPO's
+overlong filter and soft punishment act on; the latter recorded since 2026-12-07). The config keys
 whose values differ between arms head the table. Written, with `out`, to OUT/compare.md, OUT/compare.json and
 OUT/compare.png (the held-out curves by version and by wall-clock minutes, the batch reward and the token entropy by
 step: a colour per arm).
@@ -118,11 +120,23 @@ class Run:
     tokens_per_trained: float = math.nan  # generated response tokens per trained response token, whole run
     per_trained_thirds: tuple[float, ...] = ()  # generated per trained sample in each third of the run's steps
     machine: str | None = None  # cpu.json's machine ("AMD EPYC, 2 cores, avx512_bf16"); None: not recorded
+    lengths: tuple[float, ...] = ()  # per step: response tokens per trained sample (response_lengths)
+    truncated: tuple[float, ...] = ()  # per step: the batch's samples cut at the length bound (runs since 2026-12-07)
 
     @property
     def entropy_thirds(self) -> tuple[float, ...]:
         """The mean token entropy over each third of the run's steps; empty with fewer steps than thirds."""
         return parts_mean([h for _, h in self.entropy], THIRDS)
+
+    @property
+    def length_thirds(self) -> tuple[float, ...]:
+        """Response tokens per trained sample, the mean over each third of the steps (the paper's length curve)."""
+        return parts_mean(list(self.lengths), THIRDS)
+
+    @property
+    def truncated_thirds(self) -> tuple[float, ...]:
+        """The share of trained samples cut at the length bound (what the overlong filter masks), each third."""
+        return parts_mean(list(self.truncated), THIRDS)
 
     @property
     def final(self) -> float:
@@ -193,7 +207,24 @@ def read(path: Path) -> Run:
         tokens_per_trained=generated_tokens_per_trained(train),
         per_trained_thirds=generated_per_trained_by_part(train, THIRDS),
         machine=where,
+        lengths=response_lengths(train, config),
+        truncated=tuple(r["truncated_frac"] for r in train if finite(r.get("truncated_frac"))),
     )
+
+
+def response_lengths(train: list[dict[str, Any]], config: dict[str, Any] | None) -> tuple[float, ...]:
+    """Response tokens per trained sample, per step: over the batch's `batch_samples` (learners since 2026-12-07);
+    for earlier runs over the config's batch_size × n_samples when groups were of fixed size; else none."""
+    fixed = None
+    if config and config.get("buffer.sampling_rule", "fixed") == "fixed":
+        size, n = config.get("batch_size"), config.get("n_samples")
+        fixed = float(size * n) if isinstance(size, int) and isinstance(n, int) else None
+    out = []
+    for r in train:
+        samples = r.get("batch_samples") if finite(r.get("batch_samples")) else fixed
+        if samples and finite(r.get("response_tokens")):
+            out.append(r["response_tokens"] / samples)
+    return tuple(out)
 
 
 def _machine(m: Any) -> str | None:
@@ -301,6 +332,8 @@ class Arm:
     tokens_per_trained: tuple[float, float] = (math.nan, math.nan)  # generated tokens per trained token, whole run
     per_trained_thirds: tuple[tuple[float, float], ...] = ()  # generated per trained sample, each third of the steps
     entropy_thirds: tuple[tuple[float, float], ...] = ()  # token entropy, each third of the steps: mean, se
+    length_thirds: tuple[tuple[float, float], ...] = ()  # response tokens per trained sample, each third
+    truncated_thirds: tuple[tuple[float, float], ...] = ()  # trained samples cut at the length bound, each third
 
     @property
     def seeds(self) -> list[int | None]:
@@ -359,6 +392,8 @@ def _run_json(r: Run, gain: float) -> dict[str, Any]:
         "tokens_per_trained",
         "per_trained_thirds",
         "entropy_thirds",
+        "length_thirds",
+        "truncated_thirds",
         "machine",
     )
     return {f: getattr(r, f) for f in keep} | {
@@ -435,6 +470,8 @@ def summarize(label: str, runs: list[Run], gain: float, first: list[Run] | None)
         tokens_per_trained=mean_se([r.tokens_per_trained for r in runs]),
         per_trained_thirds=_thirds_mean_se([r.per_trained_thirds for r in runs]),
         entropy_thirds=_thirds_mean_se([r.entropy_thirds for r in runs]),
+        length_thirds=_thirds_mean_se([r.length_thirds for r in runs]),
+        truncated_thirds=_thirds_mean_se([r.truncated_thirds for r in runs]),
     )
 
 

@@ -33,12 +33,12 @@ def _pm(stat: tuple[float, float], signed: bool = False, digits: int = 3) -> str
     return f"{mean:{'+' if signed else ''}.{digits}f} ± {f'{se:.{digits}f}' if math.isfinite(se) else '—'}"
 
 
-def _thirds(parts: tuple[tuple[float, float], ...]) -> str:
+def _thirds(parts: tuple[tuple[float, float], ...], digits: int = 2) -> str:
     means = [m for m, _ in parts]
     return (
         "—"
         if not any(math.isfinite(m) for m in means)
-        else " / ".join(f"{m:.2f}" if math.isfinite(m) else "—" for m in means)
+        else " / ".join(f"{m:.{digits}f}" if math.isfinite(m) else "—" for m in means)
     )
 
 
@@ -78,6 +78,8 @@ def sections(c: Comparison) -> list[Section]:
         ("… in each third of the steps", [_thirds(a.per_trained_thirds) for a in c.arms]),
         ("generated tokens per trained token", [_pm(a.tokens_per_trained, digits=2) for a in c.arms]),
         ("token entropy in each third of the steps", [_thirds(a.entropy_thirds) for a in c.arms]),
+        ("response tokens per trained sample, each third", [_thirds(a.length_thirds, 0) for a in c.arms]),
+        ("trained samples cut at the length bound, each third", [_thirds(a.truncated_thirds, 3) for a in c.arms]),
     ]
     differs = [(key, [_value(v) for v in values]) for key, values in c.differs.items()]
     if not differs:  # one arm, or arms made before runs wrote their config

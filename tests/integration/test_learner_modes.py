@@ -65,6 +65,7 @@ def test_grpo_seq_mean_counts_only_samples_with_a_loss_token(tiny_model: Path, t
     beside = trainer(tmp_path, tiny_model, **grpo).train(batch(group(1, MIXED), truncated))
     assert alone["grad_norm"] > 0 and beside["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
     assert alone["truncated_frac"] == 0.0 and beside["truncated_frac"] == 0.5  # what the filter masked, recorded
+    assert (alone["batch_samples"], beside["batch_samples"]) == (4.0, 8.0)
 
 
 def test_the_full_logits_path_divides_by_the_temperature_in_fp32(tiny_model: Path, tmp_path: Path) -> None:

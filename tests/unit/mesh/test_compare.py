@@ -29,13 +29,17 @@ def write_run(
     wall_s: float | None = None,
     stamped: bool = True,
     entropy: float = 0.0,
+    truncated: bool = False,
 ) -> Path:
-    """A run as the mesh writes it: metrics.jsonl (train rows, their token entropy 2 − 0.4·step + `entropy`; eval
-    rows stamped with eval_at unless not `stamped`), config.json when `config`, cpu.json when `wall_s`."""
+    """A run as the mesh writes it: metrics.jsonl (train rows: token entropy 2 − 0.4·step + `entropy`, 10 + step
+    response tokens per sample of 32, with `truncated` batch_samples and a share 0.1·(4 − step) cut at the length
+    bound; eval rows stamped
+    with eval_at unless not `stamped`), config.json when `config`, cpu.json when `wall_s`."""
     run_dir.mkdir(parents=True)
     rows: list[dict[str, Any]] = [
         {"kind": "train", "step": v, "policy_version": v, "reward_mean": v / 10, "seconds": 10.0}
-        | {"entropy": 2.0 - 0.4 * v + entropy}
+        | {"entropy": 2.0 - 0.4 * v + entropy, "response_tokens": 32.0 * (10 + v), "samples_trained": 32.0 * (v + 1)}
+        | ({"truncated_frac": 0.1 * (4 - v), "batch_samples": 32.0} if truncated else {})
         for v in (1, 2, 3, 4)
     ]
     for v, acc, pass_k in evals:  # the first evaluation takes 60 s from the start; then one every 10 minutes
@@ -66,6 +70,8 @@ def config(run_dir: Path, seed: int, clip_high: float) -> dict[str, Any]:
         "seed": seed,
         "run_dir": str(run_dir),
         "lr": 1e-6,
+        "batch_size": 4,  # groups of n_samples: 32 samples a batch (what the lengths of runs before batch_samples use)
+        "n_samples": 8,
         "dataset": "reasoning_gym:chain_sum",
         "learner": {"clip_high": clip_high, "clip_low": 0.2},
         "buffer": {"max_staleness": 1},
@@ -87,7 +93,8 @@ def synthetic(root: Path, preset: str | None = "configs/dapo.toml") -> list[Path
             evals = [(0, 0.10, 0.2), (2, mid, 0.3), (4, final, pass_k)]
             wall = 1200 + 60 * seed if arm == "a" else None
             shift = 0.1 * seed if arm == "a" else 0.0
-            runs.append(write_run(d, evals, config=config(d, seed, clip), preset=preset, wall_s=wall, entropy=shift))
+            cfg, cut = config(d, seed, clip), arm == "a"
+            runs.append(write_run(d, evals, config=cfg, preset=preset, wall_s=wall, entropy=shift, truncated=cut))
     runs.append(
         write_run(root / "old-seed7", [(0, 0.1, 0.2), (2, 0.15, 0.2), (4, 0.2, 0.3)], wall_s=120, stamped=False)
     )
@@ -127,6 +134,13 @@ def test_arms_their_means_standard_errors_welch_and_times(tmp_path: Path) -> Non
     )
     assert b.runs[0].entropy_thirds == pytest.approx((1.6, 1.0, 0.4))
     assert "| token entropy in each third of the steps | 1.80 / 1.20 / 0.60 | 1.60 / 1.00 / 0.40 |" in md
+    # 11-14 response tokens per sample over steps 1-4 (A over batch_samples, B over its config's 4 x 8, never over
+    # the buffer's running count): thirds 11, 12.5, 14; the old run has neither; cut at the bound only where recorded
+    assert a.runs[0].length_thirds == b.runs[0].length_thirds == pytest.approx((11.0, 12.5, 14.0))
+    assert old.runs[0].length_thirds == ()
+    assert [m for m, _ in a.truncated_thirds] == pytest.approx([0.3, 0.15, 0.0]) and b.runs[0].truncated_thirds == ()
+    assert "| response tokens per trained sample, each third | 11 / 12 / 14 | 11 / 12 / 14 | — |" in md
+    assert "| trained samples cut at the length bound, each third | 0.300 / 0.150 / 0.000 | — |" in md
     saved = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert saved["arms"][1]["diff"] == pytest.approx({"mean": -0.08, "se": 0.030550504633})
     assert saved["arms"][2]["final"]["se"] is None and saved["arms"][0]["runs"][0]["minutes_to_gain"] == 20.0
