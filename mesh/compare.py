@@ -213,8 +213,9 @@ def read(path: Path) -> Run:
 
 
 def response_lengths(train: list[dict[str, Any]], config: dict[str, Any] | None) -> tuple[float, ...]:
-    """Response tokens per trained sample, per step: over the batch's `batch_samples` (learners since 2026-12-07);
-    for earlier runs over the config's batch_size × n_samples when groups were of fixed size; else none."""
+    """Response tokens per trained sample, per step: over the batch's `batch_samples` where the learner recorded it;
+    else over the config's batch_size × n_samples when groups were of fixed size (a full batch: one the learner
+    trimmed of groups past max_staleness reads shorter than it was); else none."""
     fixed = None
     if config and config.get("buffer.sampling_rule", "fixed") == "fixed":
         size, n = config.get("batch_size"), config.get("n_samples")

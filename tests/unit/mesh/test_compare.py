@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from mesh.compare import NotARun, flatten
+from mesh.compare import NotARun, flatten, response_lengths
 from mesh.compare_report import compare
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
@@ -32,14 +32,15 @@ def write_run(
     truncated: bool = False,
 ) -> Path:
     """A run as the mesh writes it: metrics.jsonl (train rows: token entropy 2 − 0.4·step + `entropy`, 10 + step
-    response tokens per sample of 32, with `truncated` batch_samples and a share 0.1·(4 − step) cut at the length
-    bound; eval rows stamped
+    response tokens per sample, in batches of the config's 32 or, with `truncated`, of a recorded 16 samples, a share
+    0.1·(4 − step) of them cut at the length bound; eval rows stamped
     with eval_at unless not `stamped`), config.json when `config`, cpu.json when `wall_s`."""
     run_dir.mkdir(parents=True)
     rows: list[dict[str, Any]] = [
         {"kind": "train", "step": v, "policy_version": v, "reward_mean": v / 10, "seconds": 10.0}
-        | {"entropy": 2.0 - 0.4 * v + entropy, "response_tokens": 32.0 * (10 + v), "samples_trained": 32.0 * (v + 1)}
-        | ({"truncated_frac": 0.1 * (4 - v), "batch_samples": 32.0} if truncated else {})
+        | {"entropy": 2.0 - 0.4 * v + entropy, "samples_trained": 32.0 * (v + 1)}
+        | {"response_tokens": (16.0 if truncated else 32.0) * (10 + v)}
+        | ({"truncated_frac": 0.1 * (4 - v), "batch_samples": 16.0} if truncated else {})
         for v in (1, 2, 3, 4)
     ]
     for v, acc, pass_k in evals:  # the first evaluation takes 60 s from the start; then one every 10 minutes
@@ -138,6 +139,9 @@ def test_arms_their_means_standard_errors_welch_and_times(tmp_path: Path) -> Non
     # the buffer's running count): thirds 11, 12.5, 14; the old run has neither; cut at the bound only where recorded
     assert a.runs[0].length_thirds == b.runs[0].length_thirds == pytest.approx((11.0, 12.5, 14.0))
     assert old.runs[0].length_thirds == ()
+    rows = [{"response_tokens": 320.0}]  # groups of variable size and no batch_samples: no length, not a wrong one
+    assert response_lengths(rows, {"batch_size": 4, "n_samples": 8, "buffer.sampling_rule": "signal"}) == ()
+    assert response_lengths(rows, {"batch_size": 4, "n_samples": 8, "buffer.sampling_rule": "fixed"}) == (10.0,)
     assert [m for m, _ in a.truncated_thirds] == pytest.approx([0.3, 0.15, 0.0]) and b.runs[0].truncated_thirds == ()
     assert "| response tokens per trained sample, each third | 11 / 12 / 14 | 11 / 12 / 14 | — |" in md
     assert "| trained samples cut at the length bound, each third | 0.300 / 0.150 / 0.000 | — |" in md
