@@ -26,7 +26,7 @@ from services.streams import REPLICA_KEY_PREFIX, connect, unpack
 from tests.e2e.meshrun import audit, left_behind, start_mesh
 
 SESSIONS = 48
-STOPPING = "CPU: orchestrator"  # up's last line before it stops the services (mesh/up.py Mesh.stop)
+STOPPING = b"CPU: orchestrator"  # up's last line before it stops the services (bytes: up.out may end mid-character)
 
 
 class Agents:
@@ -59,7 +59,7 @@ class Agents:
                 self.errors.append(f"{s['session_id']}: {e}")
             except openai.APIStatusError as e:
                 with self.lock:
-                    if e.status_code == 410 and STOPPING in self.up_out.read_text():
+                    if e.status_code == 410 and STOPPING in self.up_out.read_bytes():
                         self.lost_at_stop.append((s["session_id"], str(e)))  # the run is over: every replica stops
                     elif e.status_code == 410:
                         self.lost.append((s["session_id"], str(e)))
