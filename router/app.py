@@ -106,7 +106,10 @@ class Router:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         url = replica.url + target(request)
         req = self.http.build_request(request.method, url, params=request.query_params, content=body, headers=headers)
-        return await self.http.send(req, stream=True)
+        try:
+            return await self.http.send(req, stream=True)
+        except AttributeError as e:
+            raise closed_as_made(e, req) from e
 
     async def gone(self, replica: Replica) -> bool:
         """After it dropped a call: whether the replica is gone — nothing takes a connection at its gateway's address
@@ -117,7 +120,7 @@ class Router:
         assert self.http is not None
         try:
             await self.http.get(replica.url + "/healthz", timeout=httpx.Timeout(10.0, connect=self.s.connect_timeout_s))
-        except UNREACHED:
+        except (*UNREACHED, AttributeError):  # AttributeError: closed as it was made (closed_as_made)
             return True
         except httpx.HTTPError:
             return False
@@ -182,6 +185,14 @@ class Router:
                 why = f"replica {replica.replica_id} dropped the call ({type(e).__name__}); retry"
                 return error(502, why, "replica_dropped", retry_after=1)
         return error(503, "no replica serves the gateway now; retry", "no_replica", retry_after=2)
+
+
+def closed_as_made(e: AttributeError, request: httpx.Request) -> httpx.ConnectError:
+    """A connection the replica closed while it was being made — a replica killed at that moment — leaves httpcore's
+    anyio stream without a socket, and reading its address raises AttributeError ('NoneType' object has no
+    attribute 'getpeername'), not an httpx error: it is a connection not made (nothing was sent), as ConnectError
+    says. Seen under the router e2e test's kill -9 on a loaded machine; without this it was a 500."""
+    return httpx.ConnectError(f"the connection closed as it was made ({e})", request=request)
 
 
 async def full(upstream: httpx.Response) -> bool:
