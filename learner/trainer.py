@@ -39,6 +39,7 @@ from services.schemas import TrainBatch
 
 log = logging.getLogger(__name__)
 STEP_METRICS = (*LOSS_METRICS, "loss")  # averaged over a batch's micro-batches, weighted by their tokens
+PORT_TRIES = 5  # a one-process world's own store port, picked again when taken before it listened
 
 
 def init_distributed(port: int = 0, timeout_s: float = 600.0) -> None:
@@ -48,11 +49,21 @@ def init_distributed(port: int = 0, timeout_s: float = 600.0) -> None:
 
     import deepspeed
 
+    ours = False  # the port is one we picked (free a moment ago): another process may take it before we listen
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        ours = not port and "MASTER_PORT" not in os.environ
         os.environ.setdefault("MASTER_PORT", str(port or free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    for attempt in range(PORT_TRIES):
+        try:
+            deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+            return
+        except torch.distributed.DistNetworkError as e:  # EADDRINUSE: a replica's engine took it meanwhile
+            if not ours or "EADDRINUSE" not in str(e) or attempt == PORT_TRIES - 1:
+                raise
+            log.warning("port %s was taken before the learner listened on it: another", os.environ["MASTER_PORT"])
+            os.environ["MASTER_PORT"] = str(free_port())
 
 
 class Trainer:
