@@ -23,7 +23,8 @@ class LearnerMetrics:
         self.clip_fraction = gauge("clip_fraction", "Fraction of tokens clipped, last batch.", ("side",))
         self.entropy = gauge("entropy", "Mean token entropy, last batch.")
         self.truncated = gauge(
-            "truncated_fraction", "Samples of the last batch cut at the length bound (what the overlong filter masks)."
+            "truncated_fraction",
+            "Samples of the last batch cut at the length bound (what the overlong filter masks, when on).",
         )
         self.approx_kl = gauge("approx_kl", "k1 estimate of KL(old || new), last batch.")
         self.grad_norm = gauge("grad_norm", "Largest pre-clip gradient norm, last batch.")
