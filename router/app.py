@@ -83,12 +83,7 @@ class Router:
         self.http: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
-        timeout = httpx.Timeout(self.s.call_timeout_s, connect=self.s.connect_timeout_s)
-        n = self.s.max_connections
-        # an idle connection is dropped before the replicas' uvicorn drops it (5 s): a call never goes out on a
-        # connection the replica is closing at that moment (that would read as a replica gone)
-        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=KEEPALIVE_S)
-        self.http = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.http = client(self.s)
         await self.table.refresh()
 
     async def refresh_forever(self) -> None:
@@ -106,10 +101,7 @@ class Router:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         url = replica.url + target(request)
         req = self.http.build_request(request.method, url, params=request.query_params, content=body, headers=headers)
-        try:
-            return await self.http.send(req, stream=True)
-        except AttributeError as e:
-            raise closed_as_made(e, req) from e
+        return await self.http.send(req, stream=True)
 
     async def gone(self, replica: Replica) -> bool:
         """After it dropped a call: whether the replica is gone — nothing takes a connection at its gateway's address
@@ -120,7 +112,7 @@ class Router:
         assert self.http is not None
         try:
             await self.http.get(replica.url + "/healthz", timeout=httpx.Timeout(10.0, connect=self.s.connect_timeout_s))
-        except (*UNREACHED, AttributeError):  # AttributeError: closed as it was made (closed_as_made)
+        except UNREACHED:
             return True
         except httpx.HTTPError:
             return False
@@ -187,12 +179,34 @@ class Router:
         return error(503, "no replica serves the gateway now; retry", "no_replica", retry_after=2)
 
 
-def closed_as_made(e: AttributeError, request: httpx.Request) -> httpx.ConnectError:
-    """A connection the replica closed while it was being made — a replica killed at that moment — leaves httpcore's
-    anyio stream without a socket, and reading its address raises AttributeError ('NoneType' object has no
-    attribute 'getpeername'), not an httpx error: it is a connection not made (nothing was sent), as ConnectError
-    says. Seen under the router e2e test's kill -9 on a loaded machine; without this it was a 500."""
-    return httpx.ConnectError(f"the connection closed as it was made ({e})", request=request)
+def client(s: RouterSettings, inner: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The router's client of the replicas: its timeouts, its pool, and `ClosedAsMade` around the transport (`inner`:
+    a test's in place of the network's)."""
+    # an idle connection is dropped before the replicas' uvicorn drops it (5 s): a call never goes out on a
+    # connection the replica is closing at that moment (that would read as a replica gone)
+    n = s.max_connections
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=KEEPALIVE_S)
+    transport = ClosedAsMade(inner or httpx.AsyncHTTPTransport(limits=limits))
+    return httpx.AsyncClient(timeout=httpx.Timeout(s.call_timeout_s, connect=s.connect_timeout_s), transport=transport)
+
+
+class ClosedAsMade(httpx.AsyncBaseTransport):
+    """The router's transport: `inner`'s, but a connection the replica closed while it was being made — a replica
+    killed at that moment — is the ConnectError it is (nothing was sent). httpcore's anyio stream is left without a
+    socket then, and reading its address raises AttributeError ('NoneType' object has no attribute 'getpeername'),
+    not an httpx error; seen under the router e2e test's kill -9 on a loaded machine, a 500 before this."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport):
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self.inner.handle_async_request(request)
+        except AttributeError as e:
+            raise httpx.ConnectError(f"the connection closed as it was made ({e})", request=request) from e
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 async def full(upstream: httpx.Response) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import random
 import shutil
 import signal
 import socket
@@ -45,7 +46,36 @@ def redis_server_binary() -> Path:
     )
 
 
+PORTS_FROM = 20000  # ports handed out lie in [PORTS_FROM, the kernel's ephemeral range): no listener's usual port
+_handed_out: set[int] = set()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of connections and of bind(0) (Linux's default 32768-60999)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for a server started a moment later — below the kernel's ephemeral range, so
+    that no connection's local port and no other program's bind(0) (vLLM's engine picks its own so) takes it in
+    that moment, and never one this process handed out before. Where the range leaves no room below it: bind(0)."""
+    low = ephemeral_range()[0]
+    rng = random.SystemRandom()
+    for _ in range(100 if low - PORTS_FROM >= 1000 else 0):
+        port = rng.randrange(PORTS_FROM, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

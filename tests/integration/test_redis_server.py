@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,19 @@ def test_password_is_required_when_set(tmp_path: Path) -> None:
 def test_fixed_port_in_use_fails_with_the_log(tmp_path: Path, embedded_redis: EmbeddedRedis) -> None:
     with pytest.raises(RuntimeError, match="did not start"):
         EmbeddedRedis(tmp_path, port=embedded_redis.port, start_timeout_s=5).start()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_each_once_and_bind() -> None:
+    """A port handed out for a server started a moment later is one no connection's local port takes meanwhile (below
+    the kernel's ephemeral range: the learner's store lost its port to a replica's engine starting beside it), never
+    handed out twice by one process (`up` picks a dozen at once), and free: a real server binds it."""
+    from services.redis_server import PORTS_FROM, ephemeral_range, free_port
+
+    low, _ = ephemeral_range()
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(PORTS_FROM <= p < low for p in ports), sorted(ports)[-5:]
+    for p in ports[:20]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+            s.listen()

@@ -106,7 +106,7 @@ def test_a_busy_replica_that_dropped_a_call_keeps_its_session_and_a_dead_one_los
         client.delete(REPLICA_KEY_PREFIX + "busy-replica", REPLICA_KEY_PREFIX + "dead-replica")
 
 
-class ClosedAsMade(httpx.AsyncBaseTransport):
+class ClosingReplica(httpx.AsyncBaseTransport):
     """Every connection closed by the replica as it is made: httpcore's anyio stream then has no socket, and reading
     its address raises AttributeError (as under the router e2e test's kill -9 on a loaded machine). Not under test:
     the router's reading of it is."""
@@ -125,15 +125,17 @@ def test_a_connection_closed_as_it_is_made_is_a_replica_not_reached_never_a_500(
     from fastapi.testclient import TestClient
 
     from router.app import build_app
+    from router.app import client as router_client
     from router.settings import RouterSettings
 
     client = connect(redis_url)
     tag = heartbeat(client, "closing-replica", "http://127.0.0.1:9")
-    app = build_app(RouterSettings(redis_url=redis_url, auth_token=None))
+    settings = RouterSettings(redis_url=redis_url, auth_token=None)
+    app = build_app(settings)
     try:
         with TestClient(app, raise_server_exceptions=False) as http:
-            closing = ClosedAsMade()
-            app.state.router.http = httpx.AsyncClient(transport=closing)
+            closing = ClosingReplica()
+            app.state.router.http = router_client(settings, inner=closing)  # the router's client, this transport
             sid = new_session_id(tag)
             body = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
             r = http.post(
