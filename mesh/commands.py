@@ -42,6 +42,7 @@ MODULES = {
 CODE = "code"  # the verifier that needs the sandbox service (reward_server/verifiers/code.py)
 SANDBOXED_ENVS = {"compute"}  # the built-in environments whose tool runs in it (env_server/builtins/compute.py)
 SYNC_PORT = "sync"  # the learner's weight-sync rendezvous, in the ports mapping beside the services' HTTP ports
+DIST_PORT = "dist"  # a one-process learner's torch.distributed store (picked here: never one of the services')
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,10 @@ def uses_envs(cfg: MeshConfig, routes: EnvRoutes | None = None) -> bool:
 
 
 def allocate_ports(cfg: MeshConfig, routes: EnvRoutes | None = None) -> dict[str, int]:
-    """Free ports for every service's HTTP, the weight sync's rendezvous and each replica's gateway (the router's
-    is the preset's gateway_port: the one endpoint agents are told)."""
-    names = [n for n in service_names(cfg, routes) if n != "router"] + [SYNC_PORT]
+    """Free ports for every service's HTTP, the weight sync's rendezvous, the learner's store and each replica's
+    gateway (the router's is the preset's gateway_port: the one endpoint agents are told). All picked in this one
+    process, so no two are the same: a replica binds its ports minutes later, after its engine loads."""
+    names = [n for n in service_names(cfg, routes) if n != "router"] + [SYNC_PORT, DIST_PORT]
     if cfg.gateway_port is not None:
         names += [gateway_of(f"rollout-{i}") for i in range(cfg.replicas)]
     ports = {name: free_port() for name in names}
@@ -146,6 +148,7 @@ def service_values(
             "dtype": cfg.dtype,
             "weight_sync": "broadcast" if broadcast else "none",
             "sync_port": ports[SYNC_PORT],
+            "dist_port": ports[DIST_PORT],
             "max_staleness": cfg.max_staleness,
             "hold_after_max": True,
             "ranks": cfg.learner_ranks,

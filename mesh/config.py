@@ -133,6 +133,7 @@ _FROM_MESH: dict[Service, dict[str, str | None]] = {
         "dtype": "dtype",
         "weight_sync": "transport",
         "sync_port": None,
+        "dist_port": None,
         "max_staleness": "max_staleness",
         "hold_after_max": None,
         "ranks": "learner_ranks",

@@ -203,6 +203,8 @@ class ClosedAsMade(httpx.AsyncBaseTransport):
         try:
             return await self.inner.handle_async_request(request)
         except AttributeError as e:
+            if "'NoneType' object has no attribute" not in str(e):
+                raise  # any other is a bug, and says so (a 500 with its traceback)
             raise httpx.ConnectError(f"the connection closed as it was made ({e})", request=request) from e
 
     async def aclose(self) -> None:

@@ -78,7 +78,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
     with socket.socket() as s:
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        _handed_out.add(port := int(s.getsockname()[1]))
+        return port
 
 
 def die_with_parent() -> None:

@@ -69,6 +69,8 @@ def test_free_ports_lie_below_the_ephemeral_range_each_once_and_bind() -> None:
     from services.redis_server import PORTS_FROM, ephemeral_range, free_port
 
     low, _ = ephemeral_range()
+    if low - PORTS_FROM < 1000:
+        pytest.skip(f"the kernel's ephemeral range starts at {low}: free_port binds port 0 here")
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
     assert all(PORTS_FROM <= p < low for p in ports), sorted(ports)[-5:]

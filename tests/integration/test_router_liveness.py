@@ -42,6 +42,8 @@ class Dropper:
                 conn, _ = self.sock.accept()
             except TimeoutError:
                 continue
+            except OSError:  # closed by close() while accepting: the replica is gone
+                return
             threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
 
     def answer(self, conn: socket.socket) -> None:

@@ -13,7 +13,15 @@ from typer.testing import CliRunner
 from buffer.settings import BufferSettings
 from learner.settings import LearnerSettings
 from mesh.cli import app, mesh_config
-from mesh.commands import SYNC_PORT, ServiceCommand, service_commands, service_names, service_values, split_cores
+from mesh.commands import (
+    DIST_PORT,
+    SYNC_PORT,
+    ServiceCommand,
+    service_commands,
+    service_names,
+    service_values,
+    split_cores,
+)
 from mesh.config import MESH_SETS, LearnerSection, MeshConfig, PresetError, load_preset
 from mesh.layout import RunLayout
 from reward_server.settings import RewardSettings
@@ -33,7 +41,7 @@ def no_dapo_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def ports(cfg: MeshConfig) -> dict[str, int]:
-    return {name: 9000 + i for i, name in enumerate([*service_names(cfg), SYNC_PORT])}
+    return {name: 9000 + i for i, name in enumerate([*service_names(cfg), SYNC_PORT, DIST_PORT])}
 
 
 def parsed(cmd: ServiceCommand):  # type: ignore[no-untyped-def]
@@ -55,7 +63,7 @@ def test_the_dapo_preset_becomes_these_command_lines(tmp_path: Path) -> None:
     learner = parsed(cmds["learner"])
     assert (learner.model_dir, learner.run_dir, learner.max_batches) == (MODEL, paths.learner, 45)
     assert (learner.minibatches, learner.lr, learner.weight_sync) == (4, 2e-5, "broadcast")
-    assert learner.sync_port == p["sync"]
+    assert (learner.sync_port, learner.dist_port) == (p["sync"], p["dist"])  # picked by `up`, apart from the rest
     assert (learner.clip_high, learner.loss_agg, learner.warmup_batches, learner.hold_after_max) == (
         0.28, "token-mean", 2, True)  # fmt: skip  # from the preset's [learner]
     # one staleness bound, checked by the buffer when it batches and by the learner at the update
