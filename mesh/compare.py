@@ -208,7 +208,7 @@ def read(path: Path) -> Run:
         per_trained_thirds=generated_per_trained_by_part(train, THIRDS),
         machine=where,
         lengths=response_lengths(train, config),
-        truncated=tuple(r["truncated_frac"] for r in train if finite(r.get("truncated_frac"))),
+        truncated=truncated_fractions(train),
     )
 
 
@@ -226,6 +226,14 @@ def response_lengths(train: list[dict[str, Any]], config: dict[str, Any] | None)
         if samples and finite(r.get("response_tokens")):
             out.append(r["response_tokens"] / samples)
     return tuple(out)
+
+
+def truncated_fractions(train: list[dict[str, Any]]) -> tuple[float, ...]:
+    """Each step's share of trained samples cut at the length bound; none unless every step recorded it (a run resumed
+    across the day the learner began to would split only its later steps into thirds)."""
+    if not train or not all(finite(r.get("truncated_frac")) for r in train):
+        return ()
+    return tuple(r["truncated_frac"] for r in train)
 
 
 def _machine(m: Any) -> str | None:

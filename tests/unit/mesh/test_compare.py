@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from mesh.compare import NotARun, flatten, response_lengths
+from mesh.compare import NotARun, flatten, response_lengths, truncated_fractions
 from mesh.compare_report import compare
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
@@ -283,3 +283,12 @@ def test_each_runs_machine_is_named_so_that_times_are_compared_within_one(tmp_pa
     line = next(x for x in markdown(c).splitlines() if x.startswith("Machines"))
     assert "AMD EPYC, 2 cores, avx512_bf16: a-seed1" in line and "not recorded" in line and "a-seed2" in line
     assert not any(x.startswith("Machines") for x in markdown(compare(synthetic(tmp_path / "old"), None)).splitlines())
+
+
+def test_the_truncated_share_is_left_out_unless_every_step_recorded_it() -> None:
+    """A run resumed across the day the learner began recording `truncated_frac` would split only its later steps
+    into thirds, as if they were the whole run: it reads `—` instead."""
+    steps = [{"step": s} | ({"truncated_frac": 0.5} if s > 3 else {}) for s in range(1, 7)]
+    assert truncated_fractions(steps) == ()
+    assert truncated_fractions([r | {"truncated_frac": 0.25} for r in steps]) == (0.25,) * 6
+    assert truncated_fractions([]) == ()
