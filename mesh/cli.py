@@ -303,6 +303,10 @@ def compare(
         float, typer.Option(help="Time to gain: minutes until held-out avg@k is this much above the first eval.")
     ] = 0.20,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
+    task: Annotated[
+        str | None,
+        typer.Option(help="Held-out numbers of this part of a mixture (reasoning_gym/chain_sum); unset: all of it."),
+    ] = None,
 ) -> None:
     """Runs side by side: runs whose configs differ only in seed form an arm; per arm the final and best held-out
     avg@k and pass@k (mean ± standard error over seeds), wall time, time to gain, versions trained, the difference
@@ -312,7 +316,7 @@ def compare(
     from mesh.compare_report import table
 
     try:
-        result = run_compare(run_dirs, out, gain)
+        result = run_compare(run_dirs, out, gain, task)
     except NotARun as e:
         raise typer.BadParameter(str(e), param_hint="RUN_DIR") from None
     if as_json:

@@ -1,6 +1,7 @@
 """`dapo-mesh compare RUN_DIR...`: runs side by side, grouped into arms, with their spread over seeds.
 
     dapo-mesh compare .dapo/ablate/dapo-seed* .dapo/ablate/grpo-seed* [--out DIR] [--gain 0.2] [--json]
+    dapo-mesh compare RUN... --task reasoning_gym/basic_arithmetic   # one part of a mixture's held-out split
     comparison([Path("a-seed1"), Path("b-seed1")], gain=0.2)  # -> Comparison; compare_report.compare writes it
 
 A run is a run directory of `dapo-mesh up` (its metrics.jsonl; config.json and cpu.json when it has them) or a copy
@@ -15,7 +16,8 @@ tokens per trained sample and the share of trained samples cut at the length bou
 overlong filter and soft punishment act on; the latter recorded since 2026-12-07). The config keys
 whose values differ between arms head the table. Written, with `out`, to OUT/compare.md, OUT/compare.json and
 OUT/compare.png (the held-out curves by version and by wall-clock minutes, the batch reward and the token entropy by
-step: a colour per arm).
+step: a colour per arm). With `task`, every held-out number is that part's of a mixture (`eval_acc/<task>`, the
+evaluation's accuracy on that task's held-out prompts; pass@k is not recorded per part: NaN).
 
 Time. A run's wall time is cpu.json's `wall_s` (written when the mesh stops); without it, the span of its
 evaluations' `eval_at` stamps; else unknown (train rows carry no timestamp: their `seconds` is the learner's compute
@@ -66,6 +68,20 @@ def metric_rows(path: Path) -> list[dict[str, Any]]:
 def eval_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The held-out evaluations (rows of kind "eval"), in policy-version order."""
     return sorted((r for r in rows if r.get("kind") == "eval"), key=lambda r: r["policy_version"])
+
+
+def task_evals(evals: list[dict[str, Any]], task: str, path: Path) -> list[dict[str, Any]]:
+    """The evaluations with one part's held-out accuracy as theirs (`eval_acc/<task>`; pass@k NaN: not recorded per
+    part). NotARun where an evaluation lacks it, naming the parts the run's evaluations have."""
+    key = f"eval_acc/{task}"
+    missing = [r["policy_version"] for r in evals if not finite(r.get(key))]
+    if missing or not evals:
+        parts = sorted({k.removeprefix("eval_acc/") for r in evals for k in r if k.startswith("eval_acc/")})
+        raise NotARun(
+            f"{path}: its evaluations (versions {missing or 'none'}) have no held-out accuracy for task {task!r}; "
+            f"the tasks they have: {', '.join(parts) or 'none (a dataset of one part)'}"
+        )
+    return [r | {"eval_acc": r[key], "eval_pass_at_k": math.nan} for r in evals]
 
 
 def finite(*xs: Any) -> bool:
@@ -163,8 +179,9 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def read(path: Path) -> Run:
-    """One run: a run directory or a NAME.metrics.jsonl copy. NotARun without metrics."""
+def read(path: Path, task: str | None = None) -> Run:
+    """One run: a run directory or a NAME.metrics.jsonl copy; `task`: its held-out numbers those of that part of the
+    dataset. NotARun without metrics, or with a task its evaluations do not name."""
     if path.is_file() and path.name.endswith("metrics.jsonl"):
         metrics, stem = path, path.name.removesuffix("metrics.jsonl").rstrip(".") or path.parent.name
         saved: dict[str, Any] = {}
@@ -185,6 +202,8 @@ def read(path: Path) -> Run:
     if seed is None and match:
         seed = int(match["seed"])
     evals = eval_rows(rows)
+    if task is not None:
+        evals = task_evals(evals, task, path)
     train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r["step"])
     minutes, clock, wall = _clock(evals, train, wall if finite(wall) else None)
     return Run(
@@ -355,12 +374,20 @@ class Comparison:
     k: int | None  # the avg@k's k, when every run shares it
     arms: list[Arm]
     differs: dict[str, list[Any]] = field(default_factory=dict)  # key -> each arm's value (UNKNOWN, ABSENT)
+    task: str | None = None  # the held-out numbers are this part's of a mixture; None: the whole held-out split
+
+    @property
+    def heldout(self) -> str:
+        """What the held-out numbers are: "held-out avg@4", "held-out avg@4 of reasoning_gym/chain_sum"."""
+        k = f"avg@{self.k}" if self.k else "avg@k"
+        return f"held-out {k}" + (f" of {self.task}" if self.task else "")
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON (NaN as null), the runs without their curves."""
         data = {
             "gain": self.gain,
             "k": self.k,
+            "task": self.task,
             "differs": self.differs,
             "arms": [
                 {f: getattr(a, f) for f in Arm.__dataclass_fields__ if f not in ("runs", *STATS)}
@@ -489,11 +516,12 @@ def _thirds_mean_se(runs: list[tuple[float, ...]]) -> tuple[tuple[float, float],
     return tuple(mean_se([t[i] for t in runs if t]) for i in range(THIRDS))
 
 
-def comparison(run_dirs: list[Path], gain: float = DEFAULT_GAIN) -> Comparison:
-    """Read, group and summarize the runs (mesh/compare_report.py's `compare` writes them out)."""
-    runs = [read(p) for p in run_dirs]
+def comparison(run_dirs: list[Path], gain: float = DEFAULT_GAIN, task: str | None = None) -> Comparison:
+    """Read, group and summarize the runs (mesh/compare_report.py's `compare` writes them out); `task`: the held-out
+    numbers of that part of a mixture."""
+    runs = [read(p, task) for p in run_dirs]
     groups, differs = group(runs)
     first = groups[0][1] if groups else None
     arms = [summarize(label, rs, gain, None if rs is first else first) for label, rs in groups]
     ks = {r.k for r in runs}
-    return Comparison(gain, ks.pop() if len(ks) == 1 else None, arms, differs)
+    return Comparison(gain, ks.pop() if len(ks) == 1 else None, arms, differs, task)

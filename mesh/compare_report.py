@@ -62,16 +62,16 @@ def _to_gain(a: Arm) -> str:
 
 def sections(c: Comparison) -> list[Section]:
     """The table's two sections: the config keys that differ between arms, and each arm's numbers."""
-    k = f"avg@{c.k}" if c.k else "avg@k"
+    k, heldout, part = f"avg@{c.k}" if c.k else "avg@k", c.heldout, f" of {c.task}" if c.task else ""
     first = c.arms[0].label if c.arms else ""
     numbers = [
         ("seeds", [", ".join("?" if s is None else str(s) for s in a.seeds) for a in c.arms]),
-        (f"final held-out {k} (mean ± se)", [_pm(a.final) for a in c.arms]),
-        (f"best held-out {k}", [_pm(a.best) for a in c.arms]),
+        (f"final {heldout} (mean ± se)", [_pm(a.final) for a in c.arms]),
+        (f"best {heldout}", [_pm(a.best) for a in c.arms]),
         (f"final pass@{c.k or 'k'}", [_pm(a.pass_at_k) for a in c.arms]),
         (f"final − {first} (± Welch se)", ["—" if a.diff is None else _pm(a.diff, signed=True) for a in c.arms]),
         ("wall time (mean)", [_minutes(a.wall_min) for a in c.arms]),
-        (f"time to +{c.gain:.2f} {k} over the first eval", [_to_gain(a) for a in c.arms]),
+        (f"time to +{c.gain:.2f} {k}{part} over the first eval", [_to_gain(a) for a in c.arms]),
         ("versions trained", [_span(*a.versions) for a in c.arms]),
         ("generated per trained sample", [_pm(a.per_trained, digits=2) for a in c.arms]),
         ("… after the first pass", [_pm(a.later_per_trained, digits=2) for a in c.arms]),
@@ -154,7 +154,6 @@ def draw(c: Comparison, out: Path) -> Path:
     fig, grid = plt.subplots(2, 2, figsize=(13, 9), constrained_layout=True)
     axes = grid.ravel()
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    k = f"avg@{c.k}" if c.k else "avg@k"
     for i, arm in enumerate(c.arms):
         style = {"color": colours[i % len(colours)]}
         label = f"{arm.label} ({len(arm.runs)} run{'s' * (len(arm.runs) > 1)})"
@@ -164,7 +163,7 @@ def draw(c: Comparison, out: Path) -> Path:
         _overlay(axes[2], [dict(r.rewards) for r in arm.runs], style, label)
         _overlay(axes[3], [dict(r.entropy) for r in arm.runs], style, label)
     estimated = any(r.clock != "eval_at" for a in c.arms for r in a.runs)  # old runs: no timestamps
-    titles = (f"held-out {k}", f"held-out {k}" + " (minutes estimated)" * estimated, "batch reward", "token entropy")
+    titles = (c.heldout, c.heldout + " (minutes estimated)" * estimated, "batch reward", "token entropy")
     xlabels = ("policy version", "minutes since the run's start", "learner step", "learner step")
     for ax, title, xlabel in zip(axes, titles, xlabels, strict=True):
         ax.set_title(title)
@@ -195,9 +194,10 @@ def _overlay(ax: Any, runs: list[dict[int, Any]], style: dict[str, Any], label: 
     ax.plot(*zip(*mean, strict=True), linewidth=2.5, marker="o" if len(mean) < 30 else None, label=label, **style)
 
 
-def compare(run_dirs: list[Path], out: Path | None, gain: float = DEFAULT_GAIN) -> Comparison:
-    """The runs compared (mesh/compare.py); with `out`, compare.md, compare.json and compare.png written there."""
-    result = comparison(run_dirs, gain)
+def compare(run_dirs: list[Path], out: Path | None, gain: float = DEFAULT_GAIN, task: str | None = None) -> Comparison:
+    """The runs compared (mesh/compare.py; `task`: one part's held-out numbers); with `out`, compare.md,
+    compare.json and compare.png written there."""
+    result = comparison(run_dirs, gain, task)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.md").write_text(markdown(result) + "\n")

@@ -292,3 +292,37 @@ def test_the_truncated_share_is_left_out_unless_every_step_recorded_it() -> None
     assert truncated_fractions(steps) == ()
     assert truncated_fractions([r | {"truncated_frac": 0.25} for r in steps]) == (0.25,) * 6
     assert truncated_fractions([]) == ()
+
+
+def test_one_part_of_a_mixtures_held_out_split(tmp_path: Path) -> None:
+    """--task: the held-out numbers of one part (eval_acc/<task>), its time to gain, the labels say which; a task
+    the evaluations do not name is refused with the ones they do."""
+    from typer.testing import CliRunner
+
+    from mesh.cli import app
+
+    runs = []
+    for seed, (easy, hard) in {1: (0.5, 0.0), 2: (0.7, 0.02)}.items():  # the final evaluation's two parts
+        d = write_run(tmp_path / f"mix-seed{seed}", [(0, 0.05, 0.2), (2, 0.2, 0.3), (4, (easy + hard) / 2, 0.4)])
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        parts = {0: (0.1, 0.0), 2: (0.4, 0.0), 4: (easy, hard)}
+        for r in rows:
+            if r["kind"] == "eval":
+                e, h = parts[r["policy_version"]]
+                r |= {"eval_acc/reasoning_gym/basic_arithmetic": e, "eval_acc/reasoning_gym/chain_sum": h}
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(d)
+    whole = compare(runs, None, gain=0.25)
+    assert whole.arms[0].final == pytest.approx((0.305, 0.055)) and whole.arms[0].reached == 1  # seed 2 at v4
+    part = compare(runs, tmp_path / "out", gain=0.25, task="reasoning_gym/basic_arithmetic")
+    a = part.arms[0]
+    assert a.final == pytest.approx((0.6, 0.1)) and a.best == pytest.approx((0.6, 0.1))
+    assert math.isnan(a.pass_at_k[0]) and a.reached == 2 and a.to_gain_min == pytest.approx(10.0)  # 0.4 at v2
+    assert compare(runs, None, gain=0.25, task="reasoning_gym/chain_sum").arms[0].reached == 0
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert "final held-out avg@4 of reasoning_gym/basic_arithmetic" in md
+    assert json.loads((tmp_path / "out" / "compare.json").read_text())["task"] == "reasoning_gym/basic_arithmetic"
+    with pytest.raises(NotARun, match="basic_arithmetic, reasoning_gym/chain_sum"):
+        compare(runs, None, task="reasoning_gym/leg_counting")
+    r = CliRunner().invoke(app, ["compare", *map(str, runs), "--task", "reasoning_gym/leg_counting"])
+    assert r.exit_code == 2 and "no held-out accuracy" in " ".join(w for w in r.output.split() if w != "│")
