@@ -28,6 +28,11 @@ item's difficulty attributes (reasoning-gym's metadata names them: chain_sum's `
 that counts the group in its prompt's state. In the hard-start preset's first pass chain_sum's 2-digit prompts' first
 groups were dropped 76% of the time and its 1-digit ones' 31%, where the task as a whole says 52%
 (docs/results/curriculum.md). An unseen prompt is dispatched with the chance its class's first groups were kept.
+
+Groups sampled in rounds count, in the same script, what going on after an agreeing first round cost their task
+(`KEY_GOING_ON`: samples drawn after that round, samples of the groups that then broke agreement) and what a trained
+sample costs the run; `cost_give_up` gives up a task's agreeing first rounds where the first is the higher
+(sampling_give_up_by = "cost"; docs: services/sampling-budgets.md).
 """
 
 from __future__ import annotations
@@ -48,13 +53,22 @@ KEY_PROMPT_STATE = (
     "dapo:buffer:prompt-state"  # hash: prompt id -> JSON [correct, samples, groups, version, streak, tags]
 )
 KEY_CLASS_STATE = "dapo:buffer:class-state"  # hash: class -> JSON [dropped, groups (both decayed), first groups]
+# hash: task -> JSON [groups, samples drawn after the first round, samples of those groups kept (all decayed), groups
+# counted] over its groups let go on after an agreeing first round; RUN_FIELD -> JSON [drawn, kept (decayed)] over
+# every group sampled in rounds (sampling_give_up_by = "cost")
+KEY_GOING_ON = "dapo:buffer:going-on"
+RUN_FIELD = ""  # the run's field: no task is named "" (PromptTask.data_source has min_length 1)
+COST_MIN_GROUPS = 8  # a task's cost of going on decides nothing before this many groups let go on
+COST_DECAY = 0.99  # weight of a task's (and the run's) older groups, per newer one: the policy moves
 CLASS_MIN_GROUPS = 4  # a class predicts nothing before this many first groups
 RECENT_TAGS = 8  # group ids (8 hex digits each) remembered per prompt: a redelivered group is not counted twice
 BANDS = ((0.0, "unsolved"), (0.05, "hard"), (0.35, "medium"), (0.65, "easy"), (0.95, "solved"))
 
-# KEYS[1] the prompts' hash, KEYS[2] the classes'; ARGV: prompt id, group tag, correct, samples, zero-variance (0/1),
-# version, decay, tags kept, the prompt's class ('' none), the class decay. A prompt's first group also counts in its
-# class. Returns {the state before ('' if none), the state after, 1 if counted now / 0 if the tag was already
+# KEYS[1] the prompts' hash, KEYS[2] the classes', KEYS[3] the going-on costs'; ARGV: prompt id, group tag, correct,
+# samples, zero-variance (0/1), version, decay, tags kept, the prompt's class ('' none), the class decay, then for a
+# group sampled in rounds (ARGV[11] its task, '' none): samples drawn, samples kept (0: uniform), let go on after an
+# agreeing first round (0/1), samples drawn after its first round, the cost decay. A prompt's first group also counts
+# in its class. Returns {the state before ('' if none), the state after, 1 if counted now / 0 if the tag was already
 # counted, its class's state before ('' if none, or not a first group)}.
 _RECORD_LUA = """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
@@ -80,6 +94,23 @@ if not raw and ARGV[9] ~= '' then
   c[2] = c[2] * cd + 1
   c[3] = c[3] + 1
   redis.call('HSET', KEYS[2], ARGV[9], cjson.encode(c))
+end
+if ARGV[11] ~= '' then
+  local kd = tonumber(ARGV[16])
+  local r = redis.call('HGET', KEYS[3], ARGV[17])
+  r = r and cjson.decode(r) or {0, 0}
+  r[1] = r[1] * kd + tonumber(ARGV[12])
+  r[2] = r[2] * kd + tonumber(ARGV[13])
+  redis.call('HSET', KEYS[3], ARGV[17], cjson.encode(r))
+  if ARGV[14] == '1' then
+    local g = redis.call('HGET', KEYS[3], ARGV[11])
+    g = g and cjson.decode(g) or {0, 0, 0, 0}
+    g[1] = g[1] * kd + 1
+    g[2] = g[2] * kd + tonumber(ARGV[15])
+    g[3] = g[3] * kd + tonumber(ARGV[13])
+    g[4] = g[4] + 1
+    redis.call('HSET', KEYS[3], ARGV[11], cjson.encode(g))
+  end
 end
 return {raw or '', new, 1, cls}
 """
@@ -118,6 +149,55 @@ class ClassState:
         """P(an unseen prompt of this class gives a dropped first group): the decayed share, with half a pseudo-group
         of each outcome; None before CLASS_MIN_GROUPS first groups."""
         return (self.dropped + 0.5) / (self.groups + 1.0) if self.seen >= CLASS_MIN_GROUPS else None
+
+
+@dataclass(frozen=True)
+class GoingOn:
+    """A task's groups let go on after their first round agreed: what going on drew and what it gave to train."""
+
+    groups: float  # decayed count of such groups
+    extra: float  # decayed samples they drew after their first round
+    kept: float  # decayed samples of those that broke agreement (0 for one that stayed uniform)
+    seen: int  # such groups counted (not decayed)
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> GoingOn:
+        g, e, k, n = json.loads(raw)
+        return cls(float(g), float(e), float(k), int(n))
+
+    def cost(self) -> float | None:
+        """Samples drawn after an agreeing first round per sample it let train (one pseudo-sample kept: a task whose
+        groups never broke costs its extra samples, not infinity); None before COST_MIN_GROUPS such groups."""
+        return self.extra / (self.kept + 1.0) if self.seen >= COST_MIN_GROUPS else None
+
+
+@dataclass(frozen=True)
+class RunCost:
+    """Every group sampled in rounds: samples drawn, and samples of the groups with both outcomes (decayed)."""
+
+    drawn: float
+    kept: float
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> RunCost:
+        d, k = json.loads(raw)
+        return cls(float(d), float(k))
+
+    def ratio(self) -> float | None:
+        """Samples drawn per sample kept: what a trained sample costs the run (None: nothing kept yet)."""
+        return self.drawn / self.kept if self.kept > 0 else None
+
+
+def cost_give_up(going_on: GoingOn | None, run: RunCost | None, *, explore: float, floor: float) -> float:
+    """The chance of giving up a prompt of this task when its first round agrees (sampling_give_up_by = "cost"):
+    1 - explore where going on costs more samples per trained one than the run pays for a trained sample on
+    average (a fresh prompt would cost about that), else `floor`; `floor` until both are known. The `explore`
+    share still goes on, so the task's cost keeps being counted as the policy moves."""
+    cost = going_on.cost() if going_on is not None else None
+    ratio = run.ratio() if run is not None else None
+    if cost is None or ratio is None or cost <= ratio:
+        return floor
+    return max(floor, 1.0 - explore)
 
 
 def difficulty_class(data_source: str, ground_truth: str, shared: str) -> str | None:
@@ -190,6 +270,17 @@ def group_tag(group_id: str) -> str:
     return hashlib.blake2b(group_id.encode(), digest_size=4).hexdigest()
 
 
+def going_on_args(group: ScoredGroup, zero_variance: bool) -> list[str | int | float]:
+    """The record script's last arguments: a group sampled in rounds counts in the run's cost and, let go on after
+    an agreeing first round, in its task's cost of going on; any other group counts in neither."""
+    s, budget = group.sampling, group.task.budget
+    if s is None or budget is None:
+        return ["", 0, 0, 0, 0, COST_DECAY, RUN_FIELD]
+    went_on = bool(s.first_agreed) and not s.gave_up and s.rounds > 1
+    kept = 0 if zero_variance else len(group.samples)
+    return [group.task.data_source, s.drawn, kept, int(went_on), max(0, s.drawn - budget.first), COST_DECAY, RUN_FIELD]
+
+
 class PromptStates:
     """The per-prompt state in Redis. Every update is one script run: two buffers never interleave on a prompt."""
 
@@ -205,11 +296,18 @@ class PromptStates:
         if group.sampling is not None:  # sampled in rounds: every sample drawn, down-sampled ones too
             correct, samples = group.sampling.drawn_right, group.sampling.drawn
         args = [group.task.prompt_id, group_tag(group.group_id), correct, samples, int(zero_variance)]
-        args += [version, self.decay, RECENT_TAGS, klass or "", self.class_decay]
+        args += [version, self.decay, RECENT_TAGS, klass or "", self.class_decay, *going_on_args(group, zero_variance)]
         with redis_errors(self.client):
-            old, new, counted, cls = self._record(keys=[KEY_PROMPT_STATE, KEY_CLASS_STATE], args=args)
+            old, new, counted, cls = self._record(keys=[KEY_PROMPT_STATE, KEY_CLASS_STATE, KEY_GOING_ON], args=args)
         before = PromptState.parse(old) if old else None
         return Recorded(before, PromptState.parse(new), bool(counted), ClassState.parse(cls) if cls else None)
+
+    def going_on(self, tasks: Sequence[str]) -> tuple[list[GoingOn | None], RunCost | None]:
+        """These tasks' costs of going on after an agreeing first round (None: none counted), and the run's."""
+        with redis_errors(self.client):
+            raws = self.client.hmget(KEY_GOING_ON, [*tasks, RUN_FIELD])
+        costs = [GoingOn.parse(r) if r is not None else None for r in raws[:-1]]
+        return costs, RunCost.parse(raws[-1]) if raws[-1] is not None else None
 
     def classes(self, names: Sequence[str]) -> list[ClassState | None]:
         """The states of these classes (None: no first group counted yet)."""

@@ -43,6 +43,19 @@ class BufferMetrics:
             registry=r,
             buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
         )
+        self.going_on_cost = Gauge(
+            "dapo_buffer_going_on_cost",
+            "sampling_give_up_by = cost: samples drawn after an agreeing first round per sample it let train, per task "
+            "(decayed); above dapo_buffer_drawn_per_kept, the task's agreeing first rounds are given up.",
+            ["task"],
+            registry=r,
+        )
+        self.drawn_per_kept = Gauge(
+            "dapo_buffer_drawn_per_kept",
+            "sampling_give_up_by = cost: samples drawn per sample of a group with both outcomes, over every group "
+            "sampled in rounds (decayed): what a trained sample costs the run.",
+            registry=r,
+        )
         self.keep_ratio = Gauge("dapo_buffer_keep_ratio", "Kept / received over the last 256 groups.", registry=r)
         self.carry = Gauge("dapo_buffer_carry_groups", "Kept groups waiting for the next batch.", registry=r)
         self.paused = Gauge("dapo_buffer_paused", "1 while dispatch is paused (degenerate pass rate).", registry=r)

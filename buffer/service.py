@@ -32,6 +32,7 @@ from buffer.curriculum import (
     PromptState,
     PromptStates,
     band,
+    cost_give_up,
     decide,
     difficulty_class,
     dispatch_probability,
@@ -256,26 +257,45 @@ class Buffer:
         )
 
     def with_budgets(self, tasks: list[PromptTask]) -> list[PromptTask]:
-        """signal/balanced: each task's budget, its give-up chance the prediction of its prompt's history (else its
-        class's) that a group of G is uniform, never below `sampling_give_up` (docs: services/sampling-budgets.md)."""
+        """signal/balanced: each task's budget, its give-up chance never below `sampling_give_up` (docs:
+        services/sampling-budgets.md)."""
         s = self.s
         if s.sampling_rule == "fixed" or not tasks:
             return tasks
-        out = []
-        known = self.histories([(t.prompt_id, t.data_source, t.ground_truth) for t in tasks])
+        chances = self.cost_give_ups(tasks) if s.sampling_give_up_by == "cost" else self.history_give_ups(tasks)
         first = s.budget_first
-        for t, (st, cls) in zip(tasks, known, strict=True):
-            _, q = self.prediction(st, cls)
+        out = []
+        for t, give_up in zip(tasks, chances, strict=True):
             budget = SamplingBudget(
                 rule=s.sampling_rule,
                 first=first,
                 round=s.sampling_round or first,
                 most=s.budget_most,
-                give_up=s.sampling_give_up if q is None else max(s.sampling_give_up, q),
+                give_up=give_up,
                 draw=uniform(self.cursor.seed, t.task_id, "give-up"),  # the buffer's: every replica decides the same
             )
             out.append(t.model_copy(update={"budget": budget}))
         return out
+
+    def history_give_ups(self, tasks: list[PromptTask]) -> list[float]:
+        """The prediction of each prompt's history (else its class's) that a group of G is uniform."""
+        known = self.histories([(t.prompt_id, t.data_source, t.ground_truth) for t in tasks])
+        floor = self.s.sampling_give_up
+        return [max(floor, q) if (q := self.prediction(st, cls)[1]) is not None else floor for st, cls in known]
+
+    def cost_give_ups(self, tasks: list[PromptTask]) -> list[float]:
+        """Per task: give up where going on after an agreeing first round costs more than the run's ratio
+        (buffer/curriculum.py cost_give_up); each task's cost and the ratio are exported as gauges."""
+        names = sorted({t.data_source for t in tasks})
+        costs, run = self.states.going_on(names)
+        chance = {}
+        for name, going_on in zip(names, costs, strict=True):
+            chance[name] = cost_give_up(going_on, run, explore=self.s.sampling_explore, floor=self.s.sampling_give_up)
+            if going_on is not None and (cost := going_on.cost()) is not None:
+                self.m.going_on_cost.labels(name).set(cost)
+        if run is not None and (ratio := run.ratio()) is not None:
+            self.m.drawn_per_kept.set(ratio)
+        return [chance[t.data_source] for t in tasks]
 
     def choose(self, slots: list[tuple[Item, int, int]]) -> list[bool]:
         """Which of these dispatch slots (item, epoch, position) go out: all of them with `uniform`; with

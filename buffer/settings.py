@@ -91,6 +91,20 @@ class BufferSettings(ServiceSettings, RedisSettings):
         description="signal/balanced: the least chance of giving a prompt up when its first round agrees (more where "
         "its history, or its class's, predicts a group of n_samples uniform with more; 1: always).",
     )
+    sampling_give_up_by: Literal["history", "cost"] = Field(
+        "history",
+        description="signal/balanced: what the give-up chance of an agreeing first round comes from: history: the "
+        "prompt's (else its class's) prediction that a group of n_samples is uniform; cost: per task, 1 - "
+        "sampling_explore where going on after such a round has cost more samples per trained one than the run "
+        "pays on average, else sampling_give_up (both floored by sampling_give_up).",
+    )
+    sampling_explore: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="sampling_give_up_by = cost: the share of agreeing first rounds of a costly task still let go on "
+        "(its cost keeps being counted as the policy moves).",
+    )
     continuous_rewards: bool = Field(False, description="Filter on reward std instead of accuracy.")
     reward_std_threshold: float = Field(0.0, ge=0, description="With continuous rewards: keep if std > this.")
     degenerate_cap: int | None = Field(

@@ -171,7 +171,14 @@ class Rounds:
         self.m.down_sampled.inc(n - len(keep))
         if verdict.what == "give_up":
             self.m.given_up.inc()
-        sampling = GroupSampling(rounds=drawn.rounds, drawn=n, drawn_right=sum(accs), gave_up=verdict.what == "give_up")
+        first = accs[: budget.first]
+        sampling = GroupSampling(
+            rounds=drawn.rounds,
+            drawn=n,
+            drawn_right=sum(accs),
+            gave_up=verdict.what == "give_up",
+            first_agreed=all(first) or not any(first),
+        )
         if budget.rule == "balanced":
             rewards = [s.reward for s in scores] if drawn.episodes else [s.reward for s in drawn.scores]
             mean, std = pool_stats(rewards)

@@ -77,6 +77,11 @@ class GroupSampling(BaseModel):
     drawn: int = Field(ge=1, description="Samples generated, down-sampled ones included.")
     drawn_right: int = Field(0, ge=0, description="... of them right (the prompt's history counts all it drew).")
     gave_up: bool = Field(False, description="Given up after its first round agreed.")
+    first_agreed: bool | None = Field(
+        None,
+        description="Its first round's answers all agreed (all right or all wrong); None: not said (an older "
+        "replica). The buffer counts what going on after such a round cost (sampling_give_up_by = cost).",
+    )
     pool_mean: FiniteFloat | None = Field(
         None, description="balanced: the mean reward of every sample drawn (the advantages' baseline)."
     )

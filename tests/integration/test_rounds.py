@@ -55,6 +55,7 @@ def test_groups_sampled_in_rounds_follow_their_rule(model_dir: Path, reward_url:
     for g in coin[:10]:
         s = check(g, SIGNAL)
         accs = [x.acc for x in g.scores]
+        assert s.first_agreed is (len(set(accs[: SIGNAL.first])) == 1)  # every sample kept, in drawing order
         if s.gave_up:
             outcomes["gave_up"] += 1
             assert s.rounds == 1 and s.drawn == len(g.samples) == 2 and len(set(accs)) == 1
@@ -76,7 +77,7 @@ def test_groups_sampled_in_rounds_follow_their_rule(model_dir: Path, reward_url:
     for i in range(3):  # single-turn prompts: every round scored by the reward server, uniform to the budget's end
         g = got[f"s{i}"]
         s = check(g, ONE_STEP)
-        assert s.drawn == len(g.samples) == 6 and s.rounds == 3 and not s.gave_up
+        assert s.drawn == len(g.samples) == 6 and s.rounds == 3 and not s.gave_up and s.first_agreed
         assert len({x.acc for x in g.scores}) == 1 and g.task.prompt_token_ids is not None
         assert len({tuple(x.response_token_ids.tolist()) for x in g.samples}) > 1  # seeded apart per round
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -90,7 +91,7 @@ def test_groups_sampled_in_rounds_follow_their_rule(model_dir: Path, reward_url:
 def check(g: ScoredGroup, budget: SamplingBudget) -> GroupSampling:
     """What every group sampled in rounds keeps: its record of them, within its budget, its rounds' sizes."""
     s = g.sampling
-    assert s is not None and 1 <= s.rounds and s.drawn <= budget.most
+    assert s is not None and 1 <= s.rounds and s.drawn <= budget.most and s.first_agreed is not None
     assert len(g.samples) == len(g.scores) == g.task.n_samples <= s.drawn
     assert s.drawn >= budget.first + (s.rounds - 1)  # each later round added a sample at least
     assert g.task.budget == budget  # the task as it was sent
