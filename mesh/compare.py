@@ -31,6 +31,7 @@ which.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -179,6 +180,24 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+@functools.cache
+def setting_defaults() -> dict[str, Any]:
+    """Every setting a run's config holds today (a section's field or the mesh's own), with its default; nested
+    values (a dataset's config) are left out."""
+    from mesh.config import MeshConfig  # here: the config model (and every service's settings) only when comparing
+
+    flat = flatten(MeshConfig().model_dump(mode="json"))
+    return {k: v for k, v in flat.items() if k.count(".") <= 1}
+
+
+def with_new_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's config with the settings added since it ran, at their defaults: a new setting's default keeps the
+    behaviour from before it, so a run made before `sampling_give_up_by` existed ran as its default ("history") and
+    is not another arm than one made after with the default."""
+    nested = {k.split(".")[0] + "." + k.split(".")[1] for k in config if k.count(".") > 1}
+    return {k: v for k, v in setting_defaults().items() if k not in nested} | config
+
+
 def read(path: Path, task: str | None = None) -> Run:
     """One run: a run directory or a NAME.metrics.jsonl copy; `task`: its held-out numbers those of that part of the
     dataset. NotARun without metrics, or with a task its evaluations do not name."""
@@ -197,7 +216,7 @@ def read(path: Path, task: str | None = None) -> Run:
         wall, where = cost.get("wall_s"), _machine(cost.get("machine"))
     rows = metric_rows(metrics)
     match = _SEED.match(stem)
-    config = flatten(saved["config"]) if isinstance(saved.get("config"), dict) else None
+    config = with_new_settings(flatten(saved["config"])) if isinstance(saved.get("config"), dict) else None
     seed = config.get("seed") if config else None
     if seed is None and match:
         seed = int(match["seed"])

@@ -173,6 +173,25 @@ def test_the_presets_resolved_configs_differ_in_what_the_presets_set(tmp_path: P
     assert "buffer.dynamic_sampling" in c.differs and not {"seed", "run_dir", "steps"} & set(c.differs)
 
 
+def test_a_run_made_before_a_setting_existed_ran_as_its_default(tmp_path: Path) -> None:
+    """A setting added since a run was made is absent from its config.json: the run is the same arm as one made
+    after with that setting at its default (new settings keep the old behaviour), another arm than one without."""
+    from mesh.config import MeshConfig
+
+    runs = []
+    for name, seed, give_up_by in (("old", 1, None), ("new", 2, "history"), ("cost", 1, "cost")):
+        cfg = MeshConfig.from_preset(CONFIGS / "dapo.toml", run_dir=tmp_path / f"{name}-seed{seed}", seed=seed)
+        dump = cfg.model_dump(mode="json", exclude={"redis_url"})
+        if give_up_by is None:  # as written before the setting existed
+            del dump["buffer"]["sampling_give_up_by"], dump["buffer"]["sampling_explore"]
+        else:
+            dump["buffer"]["sampling_give_up_by"] = give_up_by
+        runs.append(write_run(cfg.run_dir, [(0, 0.1, 0.2)], config=dump, preset="configs/dapo.toml"))
+    c = compare(runs, None)
+    assert [a.seeds for a in c.arms] == [[1, 2], [1]]
+    assert c.differs == {"buffer.sampling_give_up_by": ["history", "cost"]}
+
+
 def test_flatten_and_a_directory_that_is_not_a_run(tmp_path: Path) -> None:
     assert flatten({"seed": 1, "learner": {"clip_high": 0.28, "x": {"y": [1]}}}) == {
         "seed": 1,
