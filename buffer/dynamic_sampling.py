@@ -47,9 +47,12 @@ def is_stale(group: ScoredGroup, current_version: int, max_staleness: int) -> bo
 
 
 def dispatch_budget(max_staleness: int, batch_size: int, outstanding: int, waiting: int, per_group: int = 1) -> int:
-    """Prompts that may be dispatched now: the staleness budget minus what is generating or waiting. `per_group`:
+    """Prompts that may be dispatched now: the staleness budget minus what is generating (`outstanding`, prompts)
+    or waiting (`waiting`, received groups: in the carry or in a batch the learner has not finished). `per_group`:
     prompts counted as one group's worth of samples — 1 for groups of G in one round; G // sampling_first for groups
     sampled in rounds, whose prompt mostly costs its first round (given up, or drawn to G only once it holds a
     signal): counted as whole groups, 8 prompts of G = 8 in flight would leave the replica 16 sequences to batch
-    instead of 64."""
-    return max(0, (max_staleness + 1) * batch_size * per_group - outstanding - waiting)
+    instead of 64. A waiting group is a whole group, `per_group` prompts' worth: counted as one prompt, a learner
+    that falls behind would let the buffer publish `per_group` times the batches the staleness bound allows (measured:
+    25 batches published for 18 trained, groups trained 3–4 versions old under max_staleness 1)."""
+    return max(0, (max_staleness + 1) * batch_size * per_group - outstanding - waiting * per_group)

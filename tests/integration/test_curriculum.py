@@ -19,8 +19,8 @@ from buffer.metrics import BufferMetrics
 from buffer.service import Buffer
 from services.datasets import load_source
 from services.redis_server import EmbeddedRedis
-from services.schemas import PromptTask, Sample, Score, ScoredGroup
-from services.streams import STREAM_PROMPTS, connect, decode
+from services.schemas import PromptTask, Sample, Score, ScoredGroup, TrainBatch
+from services.streams import STREAM_BATCHES, STREAM_PROMPTS, StreamConsumer, connect, decode
 from tests.integration.test_buffer import CFG, Rollout, settings
 
 SMALL = load_source("reasoning_gym:chain_sum", size=40, seed=3, eval_size=0, config=CFG)
@@ -278,3 +278,20 @@ def test_a_budget_keeps_a_groups_worth_of_samples_in_flight_per_slot(client: red
     s = settings(sampling_rule="signal", sampling_first=2, sampling_most=8, n_samples=8, batch_size=4, max_staleness=1)
     rounds = Buffer(s, client, SMALL, BufferMetrics(CollectorRegistry()))
     assert rounds.dispatch() == 32 and rounds.dispatch() == 0
+
+
+def test_a_stalled_learner_stops_a_budgets_dispatch_within_the_staleness_bound(client: redis.Redis) -> None:
+    """Groups received count as whole groups against the budget (four first rounds each here): with the learner
+    stalled, the buffer publishes the (max_staleness + 1) batches the bound allows and stops — not four times
+    that, as when a waiting group counted as one prompt."""
+    s = settings(sampling_rule="signal", sampling_first=2, sampling_most=8, n_samples=8, batch_size=4, max_staleness=1)
+    buffer = Buffer(s, client, SMALL, BufferMetrics(CollectorRegistry()))
+    StreamConsumer(client, STREAM_BATCHES, "learner", "stalled", TrainBatch)  # the learner's group, never reading
+    # one prompt in four gives a group that is kept (a budget's case: most prompts cost a first round and go)
+    rollout = Rollout(client, lambda t, i: [True, False] * 4 if i % 4 == 0 else [False] * 8, learns=False)
+    for _ in range(60):
+        buffer.step(block_ms=5)
+        rollout.serve()
+    kept = sum(len({x.acc for x in g.scores}) == 2 for g in rollout.groups)
+    assert client.xlen(STREAM_BATCHES) == 2 and kept == 8 + len(buffer.carry), (client.xlen(STREAM_BATCHES), kept)
+    assert buffer.dispatch() == 0

@@ -57,7 +57,10 @@ def test_dispatch_budget() -> None:
     assert dispatch_budget(1, 8, outstanding=10, waiting=3) == 3
     assert dispatch_budget(0, 8, outstanding=10, waiting=3) == 0  # never negative
     # groups sampled in rounds of 2 toward G = 8: four first rounds make one group's samples
-    assert dispatch_budget(1, 4, outstanding=10, waiting=4, per_group=4) == 18
+    assert dispatch_budget(1, 4, outstanding=10, waiting=0, per_group=4) == 22
+    # a waiting group (in the carry, or in a batch not yet trained) is a whole group: four first rounds' worth
+    assert dispatch_budget(1, 4, outstanding=10, waiting=4, per_group=4) == 6
+    assert dispatch_budget(1, 4, outstanding=0, waiting=8, per_group=4) == 0  # two batches behind: nothing more
 
 
 def test_parse_tasks() -> None:
