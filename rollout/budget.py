@@ -13,8 +13,9 @@ The rules (docs: services/sampling-budgets.md):
                of each outcome), the advantages' baseline the mean and std of every sample drawn
                (Reinforce-Ada-balance, `global_stat_est`).
 
-Both: a first round whose answers all agree is given up with the task's `give_up` chance (the buffer's prediction
-from the prompt's or its class's history that a group of G is uniform), else rounds go on; no rule ever draws
+Both: a first round whose answers all agree is given up with the task's `give_up` chance (the buffer's: its
+prediction from the prompt's or its class's history that a group of G is uniform, or 1 - sampling_explore where
+going on after such a round costs the prompt's task more than the run pays), else rounds go on; no rule ever draws
 more than `most`. A group that reaches `most` still uniform is published as it is: the buffer drops it and counts
 it, as any uniform group. A round's size is `round` (the first's `first`), cut so the total stays within `most`.
 """

@@ -51,7 +51,11 @@ class SamplingBudget(BaseModel):
     round: int = Field(ge=1, le=1024, description="Samples added by each later round.")
     most: int = Field(ge=1, le=1024, description="Samples drawn for the prompt at most (every round counted).")
     give_up: FiniteFloat = Field(
-        0.0, ge=0.0, le=1.0, description="Chance of giving the prompt up when its first round agrees (from history)."
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Chance of giving the prompt up when its first round agrees (the buffer's: from the prompt's "
+        "history, or its task's cost of going on).",
     )
     draw: FiniteFloat | None = Field(
         None,
