@@ -194,7 +194,7 @@ def with_new_settings(config: dict[str, Any]) -> dict[str, Any]:
     """A run's config with the settings added since it ran, at their defaults: a new setting's default keeps the
     behaviour from before it, so a run made before `sampling_give_up_by` existed ran as its default ("history") and
     is not another arm than one made after with the default."""
-    nested = {k.split(".")[0] + "." + k.split(".")[1] for k in config if k.count(".") > 1}
+    nested = {".".join(k.split(".")[:2]) for k in config if k.count(".") > 1}
     return {k: v for k, v in setting_defaults().items() if k not in nested} | config
 
 

@@ -17,9 +17,9 @@ from buffer.service import Buffer
 from rollout.budget import decide
 from services.datasets import load_source
 from services.redis_server import EmbeddedRedis
-from services.schemas import GroupSampling, PromptTask, Sample, SamplingBudget, Score, ScoredGroup, TrainBatch
-from services.streams import STREAM_BATCHES, STREAM_PROMPTS, STREAM_ROLLOUTS, StreamConsumer, StreamProducer, connect
-from tests.integration.test_buffer import CFG, settings
+from services.schemas import GroupSampling, PromptTask, Sample, SamplingBudget, Score, ScoredGroup
+from services.streams import connect
+from tests.integration.test_buffer import CFG, Rollout, settings
 
 MIXTURE = load_source("reasoning_gym:chain_sum=1; reasoning_gym:basic_arithmetic=1", size=200, seed=3, eval_size=0,
                       config=CFG)  # fmt: skip
@@ -33,20 +33,18 @@ def client(server: EmbeddedRedis) -> Iterator[redis.Redis]:
     c.close()
 
 
-class RoundsRollout:
+class RoundsRollout(Rollout):
     """Answers prompts as a replica sampling in rounds would, by the real rule (rollout/budget.py decide) with each
     task's budget and draw; each sample is right with its task's pass rate. Plays the learner too."""
 
     def __init__(self, client: redis.Redis, seed: int = 0):
-        self.consumer = StreamConsumer(client, STREAM_PROMPTS, "rollout", "fake", PromptTask)
-        self.learner = StreamConsumer(client, STREAM_BATCHES, "learner", "fake-learner", TrainBatch)
-        self.out, self.rng = StreamProducer(client, STREAM_ROLLOUTS), random.Random(seed)
-        self.groups: list[ScoredGroup] = []
+        super().__init__(client, lambda t, i: [])  # its own serve draws the outcomes
+        self.rng = random.Random(seed)
 
-    def serve(self) -> None:
-        while got := self.learner.read(count=64, block_ms=1):
-            self.learner.ack(*[d.entry_id for d in got])
-        for d in self.consumer.read(count=64, block_ms=50):
+    def serve(self, limit: int = 64) -> int:
+        self.learn()
+        n = 0
+        for d in self.consumer.read(count=limit, block_ms=50):
             t, b = d.message, d.message.budget
             assert b is not None and b.draw is not None
             p = PASS[t.data_source]
@@ -65,6 +63,8 @@ class RoundsRollout:
             self.out.publish(g)
             self.consumer.ack(d.entry_id)
             self.groups.append(g)
+            n += 1
+        return n
 
 
 def test_the_out_of_reach_tasks_agreeing_first_rounds_are_given_up_and_the_learnable_ones_go_on(
