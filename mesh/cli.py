@@ -307,6 +307,13 @@ def compare(
         str | None,
         typer.Option(help="Held-out numbers of this part of a mixture (reasoning_gym/chain_sum); unset: all of it."),
     ] = None,
+    base: Annotated[
+        float | None,
+        typer.Option(
+            help="Time to gain counts from this held-out avg@k, the same for every run (0 with --gain 0.3: until it "
+            "stood at 0.3); unset: each run's first eval, which beside training holds later versions' tokens."
+        ),
+    ] = None,
 ) -> None:
     """Runs side by side: runs whose configs differ only in seed form an arm; per arm the final and best held-out
     avg@k and pass@k (mean ± standard error over seeds), wall time, time to gain, versions trained, the difference
@@ -316,7 +323,7 @@ def compare(
     from mesh.compare_report import table
 
     try:
-        result = run_compare(run_dirs, out, gain, task)
+        result = run_compare(run_dirs, out, gain, task, base)
     except NotARun as e:
         raise typer.BadParameter(str(e), param_hint="RUN_DIR") from None
     if as_json:

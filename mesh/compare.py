@@ -2,6 +2,7 @@
 
     dapo-mesh compare .dapo/ablate/dapo-seed* .dapo/ablate/grpo-seed* [--out DIR] [--gain 0.2] [--json]
     dapo-mesh compare RUN... --task reasoning_gym/basic_arithmetic   # one part of a mixture's held-out split
+    dapo-mesh compare RUN... --base 0 --gain 0.3   # time until held-out avg@k stood at 0.3, whatever each run's first
     comparison([Path("a-seed1"), Path("b-seed1")], gain=0.2)  # -> Comparison; compare_report.compare writes it
 
 A run is a run directory of `dapo-mesh up` (its metrics.jsonl; config.json and cpu.json when it has them) or a copy
@@ -9,7 +10,8 @@ of a metrics.jsonl named NAME.metrics.jsonl, as the docs keep them. Runs whose c
 `run_dir` form an arm; a run without config.json (made before the mesh wrote one) is grouped by its directory's name
 less a trailing "-seed<N>", which also gives its seed. Per arm: the final and best held-out avg@k and the final
 pass@k, each as mean ± standard error over the seeds (std/√n), the mean wall time, the minutes until held-out avg@k
-first stood `gain` above the run's first evaluation, the versions trained, the difference of the arm's final
+first stood `gain` above the run's first evaluation (or above `base`, one value for every run: a first evaluation
+run beside training, `eval_mode = "shared"`, holds tokens of later versions, more in one run than another), the versions trained, the difference of the arm's final
 mean from the first arm's with Welch's standard error √(s1²/n1 + s2²/n2), generated samples per trained one and the
 policy's token entropy in each third of the steps (its collapse is what DAPO's clip-higher is for), the response
 tokens per trained sample and the share of trained samples cut at the length bound in each third (what DAPO's
@@ -163,9 +165,13 @@ class Run:
     def best(self) -> float:
         return max(e.acc for e in self.evals) if self.evals else math.nan
 
-    def minutes_to(self, gain: float) -> float | None:
-        """Minutes until held-out avg@k first stood `gain` over the first evaluation's; None if it never did."""
-        hit = (e.minutes for e in self.evals if e.acc - self.evals[0].acc >= gain - 1e-9)  # in floats 0.29 - 0.09 < 0.2
+    def minutes_to(self, gain: float, base: float | None = None) -> float | None:
+        """Minutes until held-out avg@k first stood `gain` over `base` (None: the run's first evaluation); None if it
+        never did."""
+        if not self.evals:
+            return None
+        start = self.evals[0].acc if base is None else base
+        hit = (e.minutes for e in self.evals if e.acc - start >= gain - 1e-9)  # in floats 0.29 - 0.09 < 0.2
         return next(hit, None)
 
 
@@ -394,6 +400,7 @@ class Comparison:
     arms: list[Arm]
     differs: dict[str, list[Any]] = field(default_factory=dict)  # key -> each arm's value (UNKNOWN, ABSENT)
     task: str | None = None  # the held-out numbers are this part's of a mixture; None: the whole held-out split
+    base: float | None = None  # time to gain counts from this held-out value; None: each run's first evaluation
 
     @property
     def heldout(self) -> str:
@@ -405,13 +412,14 @@ class Comparison:
         """Plain JSON (NaN as null), the runs without their curves."""
         data = {
             "gain": self.gain,
+            "base": self.base,
             "k": self.k,
             "task": self.task,
             "differs": self.differs,
             "arms": [
                 {f: getattr(a, f) for f in Arm.__dataclass_fields__ if f not in ("runs", *STATS)}
                 | {f: _stat(getattr(a, f)) for f in STATS}
-                | {"seeds": a.seeds, "runs": [_run_json(r, self.gain) for r in a.runs]}
+                | {"seeds": a.seeds, "runs": [_run_json(r, self.gain, self.base) for r in a.runs]}
                 for a in self.arms
             ],
         }
@@ -434,7 +442,7 @@ def _stat(pair: tuple[float, float] | None) -> dict[str, float] | None:
     return None if pair is None else {"mean": pair[0], "se": pair[1]}
 
 
-def _run_json(r: Run, gain: float) -> dict[str, Any]:
+def _run_json(r: Run, gain: float, base: float | None = None) -> dict[str, Any]:
     keep = (
         "path",
         "seed",
@@ -455,7 +463,7 @@ def _run_json(r: Run, gain: float) -> dict[str, Any]:
         "final": r.final,
         "best": r.best,
         "final_pass_at_k": r.evals[-1].pass_at_k if r.evals else math.nan,
-        "minutes_to_gain": r.minutes_to(gain),
+        "minutes_to_gain": r.minutes_to(gain, base),
         "evals": [asdict(e) for e in r.evals],
     }
 
@@ -506,8 +514,8 @@ def _show(v: Any) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
-def summarize(label: str, runs: list[Run], gain: float, first: list[Run] | None) -> Arm:
-    reached = [m for r in runs if (m := r.minutes_to(gain)) is not None]
+def summarize(label: str, runs: list[Run], gain: float, first: list[Run] | None, base: float | None = None) -> Arm:
+    reached = [m for r in runs if (m := r.minutes_to(gain, base)) is not None]
     walls = [r.wall_s / 60 for r in runs if r.wall_s is not None]
     return Arm(
         label=label,
@@ -535,12 +543,14 @@ def _thirds_mean_se(runs: list[tuple[float, ...]]) -> tuple[tuple[float, float],
     return tuple(mean_se([t[i] for t in runs if t]) for i in range(THIRDS))
 
 
-def comparison(run_dirs: list[Path], gain: float = DEFAULT_GAIN, task: str | None = None) -> Comparison:
+def comparison(
+    run_dirs: list[Path], gain: float = DEFAULT_GAIN, task: str | None = None, base: float | None = None
+) -> Comparison:
     """Read, group and summarize the runs (mesh/compare_report.py's `compare` writes them out); `task`: the held-out
-    numbers of that part of a mixture."""
+    numbers of that part of a mixture; `base`: time to gain counts from this held-out value, not each run's first."""
     runs = [read(p, task) for p in run_dirs]
     groups, differs = group(runs)
     first = groups[0][1] if groups else None
-    arms = [summarize(label, rs, gain, None if rs is first else first) for label, rs in groups]
+    arms = [summarize(label, rs, gain, None if rs is first else first, base) for label, rs in groups]
     ks = {r.k for r in runs}
-    return Comparison(gain, ks.pop() if len(ks) == 1 else None, arms, differs, task)
+    return Comparison(gain, ks.pop() if len(ks) == 1 else None, arms, differs, task, base)

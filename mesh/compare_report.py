@@ -54,6 +54,10 @@ def _span(low: int, high: int) -> str:
     return f"{low}" if low == high else f"{low}–{high}"
 
 
+def _base(c: Comparison) -> str:
+    return "the first eval" if c.base is None else f"{c.base:g}"
+
+
 def _to_gain(a: Arm) -> str:
     if a.to_gain_min is None:
         return "not reached"
@@ -71,7 +75,7 @@ def sections(c: Comparison) -> list[Section]:
         (f"final pass@{c.k or 'k'}", [_pm(a.pass_at_k) for a in c.arms]),
         (f"final − {first} (± Welch se)", ["—" if a.diff is None else _pm(a.diff, signed=True) for a in c.arms]),
         ("wall time (mean)", [_minutes(a.wall_min) for a in c.arms]),
-        (f"time to +{c.gain:.2f} {k}{part} over the first eval", [_to_gain(a) for a in c.arms]),
+        (f"time to +{c.gain:.2f} {k}{part} over {_base(c)}", [_to_gain(a) for a in c.arms]),
         ("versions trained", [_span(*a.versions) for a in c.arms]),
         ("generated per trained sample", [_pm(a.per_trained, digits=2) for a in c.arms]),
         ("… after the first pass", [_pm(a.later_per_trained, digits=2) for a in c.arms]),
@@ -96,7 +100,7 @@ def markdown(c: Comparison) -> str:
         out.append(f"| **{title}** |" + " |" * len(c.arms))
         out += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
     out += ["", "| arm | seed | run | final | best | pass@k | wall | to gain | versions |", "|---" * 9 + "|"]
-    out += [_run_line(a, r, c.gain) for a in c.arms for r in a.runs]
+    out += [_run_line(a, r, c.gain, c.base) for a in c.arms for r in a.runs]
     unknown = [a.label for a in c.arms if a.runs[0].config is None]
     if unknown:
         out.append(f"\nWithout config.json (grouped by directory name, seed from it): {', '.join(unknown)}.")
@@ -113,10 +117,10 @@ def markdown(c: Comparison) -> str:
     return "\n".join(out)
 
 
-def _run_line(a: Arm, r: Run, gain: float) -> str:
+def _run_line(a: Arm, r: Run, gain: float, base: float | None = None) -> str:
     numbers = (r.final, r.best, r.evals[-1].pass_at_k if r.evals else math.nan)
     wall = _minutes(None if r.wall_s is None else r.wall_s / 60)
-    to_gain = r.minutes_to(gain)
+    to_gain = r.minutes_to(gain, base)
     return (
         f"| {a.label} | {r.seed if r.seed is not None else '?'} | {r.path} | "
         + " | ".join(f"{x:.3f}" if math.isfinite(x) else "—" for x in numbers)
@@ -194,10 +198,16 @@ def _overlay(ax: Any, runs: list[dict[int, Any]], style: dict[str, Any], label: 
     ax.plot(*zip(*mean, strict=True), linewidth=2.5, marker="o" if len(mean) < 30 else None, label=label, **style)
 
 
-def compare(run_dirs: list[Path], out: Path | None, gain: float = DEFAULT_GAIN, task: str | None = None) -> Comparison:
-    """The runs compared (mesh/compare.py; `task`: one part's held-out numbers); with `out`, compare.md,
-    compare.json and compare.png written there."""
-    result = comparison(run_dirs, gain, task)
+def compare(
+    run_dirs: list[Path],
+    out: Path | None,
+    gain: float = DEFAULT_GAIN,
+    task: str | None = None,
+    base: float | None = None,
+) -> Comparison:
+    """The runs compared (mesh/compare.py; `task`: one part's held-out numbers, `base`: the held-out value time to
+    gain counts from); with `out`, compare.md, compare.json and compare.png written there."""
+    result = comparison(run_dirs, gain, task, base)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.md").write_text(markdown(result) + "\n")

@@ -151,6 +151,23 @@ def test_arms_their_means_standard_errors_welch_and_times(tmp_path: Path) -> Non
     assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
 
 
+def test_time_to_gain_from_a_base_every_run_shares(tmp_path: Path) -> None:
+    """--base: the gain counts from one held-out value, not each run's first evaluation (which, run beside training,
+    holds later versions' tokens): +0.30 over 0 is the first evaluation at 0.30 or more."""
+    runs = synthetic(tmp_path / "runs")
+    c = compare(runs, tmp_path / "out", gain=0.30, base=0.0)
+    a, b, old = c.arms
+    # 0.30 or more: A's seed 1 at v4 (20 min; 0.25 at v2), seeds 2 and 3 at v2 (10 min: 0.31, 0.38); B's at v4
+    assert [r.minutes_to(0.30, 0.0) for r in a.runs] == [20.0, 10.0, 10.0]
+    assert (a.to_gain_min, a.reached) == (pytest.approx(40 / 3), 3) and (b.to_gain_min, b.reached) == (20.0, 2)
+    assert (old.to_gain_min, old.reached) == (None, 0) and c.base == 0.0
+    # from each run's first evaluation (0.10) the same +0.30 waits for 0.40: seed 3 (best 0.38) never gets there
+    assert [r.minutes_to(0.30) for r in a.runs] == [20.0, 20.0, None]
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert "| time to +0.30 avg@4 over 0 |" in md
+    assert json.loads((tmp_path / "out" / "compare.json").read_text())["base"] == 0.0
+
+
 def test_labels_without_a_preset_say_what_differs_and_one_arm_has_nothing_to(tmp_path: Path) -> None:
     c = compare(synthetic(tmp_path / "runs", preset=None)[:5], None, gain=0.5)
     assert [a.label for a in c.arms] == ["learner.clip_high=0.28", "learner.clip_high=0.2"]
