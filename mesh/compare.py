@@ -10,16 +10,16 @@ of a metrics.jsonl named NAME.metrics.jsonl, as the docs keep them. Runs whose c
 `run_dir` form an arm; a run without config.json (made before the mesh wrote one) is grouped by its directory's name
 less a trailing "-seed<N>", which also gives its seed. Per arm: the final and best held-out avg@k and the final
 pass@k, each as mean ± standard error over the seeds (std/√n), the mean wall time, the minutes until held-out avg@k
-first stood `gain` above the run's first evaluation (or above `base`, one value for every run: a first evaluation
-run beside training, `eval_mode = "shared"`, holds tokens of later versions, more in one run than another), the versions trained, the difference of the arm's final
-mean from the first arm's with Welch's standard error √(s1²/n1 + s2²/n2), generated samples per trained one and the
-policy's token entropy in each third of the steps (its collapse is what DAPO's clip-higher is for), the response
-tokens per trained sample and the share of trained samples cut at the length bound in each third (what DAPO's
-overlong filter and soft punishment act on; the latter recorded since 2026-12-07). The config keys
-whose values differ between arms head the table. Written, with `out`, to OUT/compare.md, OUT/compare.json and
-OUT/compare.png (the held-out curves by version and by wall-clock minutes, the batch reward and the token entropy by
-step: a colour per arm). With `task`, every held-out number is that part's of a mixture (`eval_acc/<task>`, the
-evaluation's accuracy on that task's held-out prompts; pass@k is not recorded per part: NaN).
+first stood `gain` above the run's first evaluation (or above `base`, one value for every run: a first evaluation run
+beside training, `eval_mode = "shared"`, holds tokens of later versions, more in one run than another), the versions
+trained, the difference of the arm's final mean from the first arm's with Welch's standard error √(s1²/n1 + s2²/n2),
+generated samples per trained one and the policy's token entropy in each third of the steps (its collapse is what
+DAPO's clip-higher is for), the response tokens per trained sample and the share of trained samples cut at the length
+bound in each third (what DAPO's overlong filter and soft punishment act on; the latter recorded since 2026-12-07).
+The config keys whose values differ between arms head the table. Written, with `out`, to OUT/compare.md,
+OUT/compare.json and OUT/compare.png (the held-out curves by version and by wall-clock minutes, the batch reward and
+the token entropy by step: a colour per arm). With `task`, every held-out number is that part's of a mixture
+(`eval_acc/<task>`, the evaluation's accuracy on that task's held-out prompts; pass@k is not recorded per part: NaN).
 
 Time. A run's wall time is cpu.json's `wall_s` (written when the mesh stops); without it, the span of its
 evaluations' `eval_at` stamps; else unknown (train rows carry no timestamp: their `seconds` is the learner's compute
