@@ -372,6 +372,13 @@ def evaluate(
     ] = None,
     k: Annotated[int, typer.Option(min=1, help="Samples per prompt: avg@k and pass@k.")] = 4,
     size: Annotated[int, typer.Option(min=1, help="Held-out prompts evaluated.")] = 200,
+    task: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Only the held-out prompts of this data source, of the first --size (repeatable), e.g. "
+            "reasoning_gym/basic_arithmetic."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed: the same seed gives the same samples.")] = 1234,
     temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="1.0: the training policy; DAPO's paper: 0.7.")] = 1.0,
@@ -418,9 +425,18 @@ def evaluate(
     if engine not in ("vllm", "hf") or template not in ("dapo", "short", "none") or dtype not in DTYPES:
         raise typer.BadParameter("--engine is vllm or hf; --template is dapo, short or none; --dtype auto, bf16, fp32")
     config = json.loads(dataset_config) if dataset_config else None  # None: the buffer's default
-    items = load_eval_items(
-        data, size=size, seed=dataset_seed, dataset_size=dataset_size, config=config, template=cast(Any, template)
-    )
+    try:
+        items = load_eval_items(
+            data,
+            size=size,
+            seed=dataset_seed,
+            dataset_size=dataset_size,
+            config=config,
+            template=cast(Any, template),
+            tasks=task or (),
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     model_dir = model or prepare_smollm2(RunLayout(RUN_DIR).smollm2)
     _not_an_adapter(model_dir)
     with contextlib.ExitStack() as stack:
@@ -431,6 +447,7 @@ def evaluate(
         params = SamplingParams(temperature, top_p, max_tokens, seed)
         report, samples = run_eval(eng, items, client, k=k, params=params, episodes=episodes)
     report.settings = {"model": str(model_dir), "data": data, "size": len(items), "engine": engine}
+    report.settings |= {"tasks": task} if task else {}
     report.settings |= {"dtype": eng.dtype, "seed": seed, "temperature": temperature, "top_p": top_p}
     report.settings |= {"max_tokens": max_tokens}
     if out is not None:

@@ -182,7 +182,7 @@ def service_values(
             out[name] |= {"gateway_port": port, "gateway_url": f"http://127.0.0.1:{port}"}
         if cfg.eval_every and i == 0:  # rollout-0 evaluates the held-out split the buffer wrote
             out[name] |= {"eval_every": cfg.eval_every, "eval_data": run.eval_items}
-            out[name] |= {"eval_size": cfg.eval_size, "eval_k": cfg.eval_k}
+            out[name] |= {"eval_size": cfg.eval_size, "eval_tasks": cfg.eval_tasks, "eval_k": cfg.eval_k}
             out[name] |= {"eval_record_samples": min(cfg.eval_size * cfg.eval_k, 1024)}
     if cfg.gateway_port is not None:
         out["router"] = {"port": cfg.gateway_port}

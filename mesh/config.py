@@ -156,6 +156,7 @@ _FROM_MESH: dict[Service, dict[str, str | None]] = {
         "eval_every": "eval_every",
         "eval_data": None,
         "eval_size": "eval_size",
+        "eval_tasks": "eval_tasks",
         "eval_k": "eval_k",
     },
     "router": {},
@@ -232,6 +233,11 @@ class MeshConfig(BaseModel):
     )
     eval_every: int = Field(0, ge=0, description="Held-out avg@k by rollout-0 at version 0 and every n (0: off).")
     eval_size: int = Field(64, ge=1, description="Held-out prompts per evaluation.")
+    eval_tasks: list[str] = Field(
+        [],
+        description="Evaluate only the held-out prompts of these tasks, e.g. reasoning_gym/basic_arithmetic (empty: "
+        "all): of a mixture, the parts that can be learned, not those that only cost generation.",
+    )
     eval_k: int = Field(4, ge=1, description="Samples per held-out prompt.")
     linger_s: float = Field(0.0, ge=0, description="Keep the mesh up this long after the last step.")
     max_restarts: int = Field(10, ge=0, description="Per service; 0: the first exit stops the mesh.")
@@ -319,7 +325,7 @@ class MeshConfig(BaseModel):
         """The dataset spec's syntax, weights, task names, files and named verifiers, before anything starts (the
         buffer reads the data itself when it starts: a file row without a verifier, an empty held-out share)."""
         from reward_server.verifiers import check_name
-        from services.datasets import check_spec
+        from services.datasets import check_spec, data_sources
 
         try:
             verifiers = check_spec(self.dataset)
@@ -328,6 +334,9 @@ class MeshConfig(BaseModel):
         for v in verifiers:
             if v != CLIENT_SCORED and (problem := check_name(v)):
                 raise ValueError(f"dataset {self.dataset!r}: {problem}")
+        known = data_sources(self.dataset)
+        if known is not None and (unknown := sorted(set(self.eval_tasks) - known)):
+            raise ValueError(f"eval_tasks {unknown}: the dataset's tasks are {sorted(known)}")
         return self
 
     @model_validator(mode="after")

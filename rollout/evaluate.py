@@ -2,6 +2,7 @@
 
     items = load_eval_items("reasoning_gym:chain_sum", size=200)      # the buffer's held-out split
     items = load_eval_items(".dapo/buffer/eval.jsonl")                  # ... or the file the buffer wrote
+    items = load_eval_items(path, tasks=["reasoning_gym/basic_arithmetic"])   # ... one task of a mixture
     report, samples = evaluate(engine, items, reward_client, k=4, params=SamplingParams(seed=1234))
 
 avg@k is the mean accuracy over the k samples of every prompt (the DAPO paper reports avg@32);
@@ -84,20 +85,34 @@ def load_eval_items(
     dataset_size: int = 10_000,
     config: dict[str, dict[str, Any]] | None = None,
     template: Template = "short",
+    tasks: Sequence[str] = (),
 ) -> list[Item]:
     """A dataset spec: its held-out split, exactly as the buffer draws it given the same seed, training size
     (questions that occur in training are dropped), config and template. Or a .jsonl file of items (the
-    buffer's run_dir/eval.jsonl). The first `size` items. No config: the buffer's default one."""
+    buffer's run_dir/eval.jsonl). The first `size` items; with `tasks`, those of them whose data source is one of
+    these (`reasoning_gym/basic_arithmetic`: a mixture's learnable part alone). No config: the buffer's default."""
     if data.startswith(("reasoning_gym:", "file:", "env:")):
         config = DEFAULT_DATASET_CONFIG if config is None else config
         source = load_source(data, size=dataset_size, seed=seed, eval_size=size, config=config, template=template)
-        return source.eval
+        return of_tasks(source.eval, tasks)
     path = Path(data)
     if not path.is_file():
         raise FileNotFoundError(
             f"evaluation data {data!r}: neither a dataset spec (reasoning_gym:..., file:..., env:...) nor a file"
         )
-    return read_items(path)[:size]
+    return of_tasks(read_items(path)[:size], tasks)
+
+
+def of_tasks(items: list[Item], tasks: Sequence[str]) -> list[Item]:
+    """The items whose data source is one of `tasks` (none named: all); a task none of them has is an error that
+    names the ones there are, not an evaluation of nothing."""
+    if not tasks:
+        return items
+    there = {it.data_source for it in items}
+    missing = sorted(set(tasks) - there)
+    if missing:
+        raise ValueError(f"held-out items have no task {missing}: they have {sorted(there)}")
+    return [it for it in items if it.data_source in tasks]
 
 
 class EvaluationStopped(Exception):

@@ -84,9 +84,13 @@ class Evaluator:
         off for good)."""
         if self.items is None:
             try:
-                items = load_eval_items(self.s.eval_data, size=self.s.eval_size)
+                items = load_eval_items(self.s.eval_data, size=self.s.eval_size, tasks=self.s.eval_tasks)
             except FileNotFoundError as e:  # no eval.jsonl yet: the buffer writes it when it starts
                 self.postpone(version, e)
+                return None
+            except ValueError as e:  # an eval_tasks task the split does not hold: said once, evaluation off
+                log.error("held-out evaluation off: %s", e)
+                self.next_eval = sys.maxsize
                 return None
             if not items:
                 log.error("no held-out items in %s: the held-out evaluation is off", self.s.eval_data)

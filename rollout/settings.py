@@ -114,6 +114,11 @@ class RolloutSettings(ServiceSettings, RedisSettings):
         "reasoning_gym:chain_sum", description="Held-out items: a dataset spec (as the buffer's) or its eval.jsonl."
     )
     eval_size: int = Field(64, ge=1, description="Held-out prompts per evaluation.")
+    eval_tasks: list[str] = Field(
+        [],
+        description="Evaluate only the held-out prompts of these data sources, e.g. reasoning_gym/basic_arithmetic "
+        "(empty: all): of a mixture, the parts that can be learned.",
+    )
     eval_k: int = Field(4, ge=1, description="Samples per held-out prompt (avg@k, pass@k).")
     eval_record_samples: int = Field(
         0,

@@ -373,6 +373,20 @@ def env_names(spec: str) -> list[str]:
     return [_env_part(p)[0] for p in (p.strip() for p in spec.split(";")) if p.startswith("env:")]
 
 
+def data_sources(spec: str) -> set[str] | None:
+    """The data sources a spec's items carry (`reasoning_gym/<task>`, `env/<name>`), known without reading the data;
+    None where a file part's rows name their own."""
+    out: set[str] = set()
+    for part in (p.strip() for p in spec.split(";") if p.strip()):
+        if part.startswith("reasoning_gym:"):
+            out |= {f"reasoning_gym/{t}" for t in parse_tasks(part[len("reasoning_gym:") :])}
+        elif part.startswith("env:"):
+            out.add(f"env/{_env_part(part)[0]}")
+        else:
+            return None
+    return out
+
+
 def part_weight(part: str) -> float:
     """The weight of one part of a mixture: a reasoning-gym part's tasks' sum, a file part's `=w` (default 1)."""
     if part.startswith("reasoning_gym:"):

@@ -242,6 +242,22 @@ def test_up_reads_the_data_before_it_starts_anything(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "redis").exists() and not RunLayout(tmp_path / "run").logs.exists()  # nothing ran
 
 
+def test_eval_tasks_reach_the_evaluating_replica_and_a_task_the_dataset_lacks_is_refused(tmp_path: Path) -> None:
+    mixture = "reasoning_gym:basic_arithmetic=1; reasoning_gym:chain_sum=3"
+    cfg = mesh_config(tmp_path, CONFIGS / "budgets" / "reach-most.toml", False, {"replicas": 2},
+                      ['mesh.eval_tasks=["reasoning_gym/basic_arithmetic"]'])  # fmt: skip
+    assert cfg.dataset == mixture
+    cmds = {c.name: parsed(c) for c in service_commands(cfg, MODEL, URL, ports(cfg))}
+    assert cmds["rollout-0"].eval_tasks == ["reasoning_gym/basic_arithmetic"]
+    assert cmds["rollout-1"].eval_tasks == [] and cmds["rollout-1"].eval_every is None  # only rollout-0 evaluates
+    with pytest.raises(ValidationError, match=r"eval_tasks \['basic_arithmetic'\]: the dataset's tasks are"):
+        MeshConfig(run_dir=tmp_path, dataset=mixture, eval_tasks=["basic_arithmetic"])
+    r = CliRunner().invoke(app, ["up", "--tiny", "--run-dir", str(tmp_path / "run"), "--set",
+                                 'mesh.eval_tasks=["env/calculator"]'])  # fmt: skip
+    assert r.exit_code == 2 and "the dataset's tasks are" in " ".join(r.output.split()), r.output
+    assert not RunLayout(tmp_path / "run").logs.exists()  # refused before anything started
+
+
 def test_the_code_preset_starts_the_sandbox_and_points_the_reward_server_at_it(tmp_path: Path) -> None:
     from sandbox.settings import SandboxSettings
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
-from rollout.evaluate import EvalSample, pass_at, summarize
-from services.datasets import Item
+from rollout.evaluate import EvalSample, load_eval_items, pass_at, summarize
+from services.datasets import Item, write_items
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 5, 8])
@@ -97,3 +98,18 @@ def test_a_seeded_evaluation_stops_between_engine_calls_when_told() -> None:
     engine = CountingEngine()
     report, _ = evaluate(engine, items, AllRight(), k=2, params=params)  # type: ignore[arg-type]
     assert engine.calls == 3 and report.avg_at_k == 1.0 and report.version == 3
+
+
+def test_eval_tasks_keep_a_mixtures_named_parts_of_the_first_size_items(tmp_path: Path) -> None:
+    spec = "reasoning_gym:basic_arithmetic=1; reasoning_gym:chain_sum=3"
+    every = load_eval_items(spec, size=40, dataset_size=200)
+    arith = load_eval_items(spec, size=40, dataset_size=200, tasks=["reasoning_gym/basic_arithmetic"])
+    assert arith == [it for it in every if it.data_source == "reasoning_gym/basic_arithmetic"]
+    assert 0 < len(arith) < len(every)  # a part, in the split's order
+    path = tmp_path / "eval.jsonl"
+    write_items(path, every)  # the file the buffer writes: the same items, the first `size` of it
+    assert load_eval_items(str(path), size=20, tasks=["reasoning_gym/chain_sum"]) == [
+        it for it in every[:20] if it.data_source == "reasoning_gym/chain_sum"
+    ]
+    with pytest.raises(ValueError, match=r"no task \['chain_sum'\].*'reasoning_gym/chain_sum'"):
+        load_eval_items(str(path), size=40, tasks=["chain_sum"])  # a task name, not its data source: said, not empty
