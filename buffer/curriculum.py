@@ -270,14 +270,16 @@ def group_tag(group_id: str) -> str:
     return hashlib.blake2b(group_id.encode(), digest_size=4).hexdigest()
 
 
-def going_on_args(group: ScoredGroup, zero_variance: bool) -> list[str | int | float]:
+def going_on_args(group: ScoredGroup, zero_variance: bool, stale: bool = False) -> list[str | int | float]:
     """The record script's last arguments: a group sampled in rounds counts in the run's cost and, let go on after
-    an agreeing first round, in its task's cost of going on; any other group counts in neither."""
+    an agreeing first round, in its task's cost of going on; any other group counts in neither. What it drew counts
+    either way; its samples count as kept only if it can train: both outcomes, and not stale on arrival (rounds
+    that outlive the staleness bound are a cost of going on too)."""
     s, budget = group.sampling, group.task.budget
     if s is None or budget is None:
         return ["", 0, 0, 0, 0, COST_DECAY, RUN_FIELD]
     went_on = bool(s.first_agreed) and not s.gave_up and s.rounds > 1
-    kept = 0 if zero_variance else len(group.samples)
+    kept = 0 if zero_variance or stale else len(group.samples)
     return [group.task.data_source, s.drawn, kept, int(went_on), max(0, s.drawn - budget.first), COST_DECAY, RUN_FIELD]
 
 
@@ -288,15 +290,19 @@ class PromptStates:
         self.client, self.decay, self.class_decay = client, decay, class_decay
         self._record = client.register_script(_RECORD_LUA)
 
-    def record(self, group: ScoredGroup, *, zero_variance: bool, version: int, klass: str | None = None) -> Recorded:
+    def record(
+        self, group: ScoredGroup, *, zero_variance: bool, version: int, klass: str | None = None, stale: bool = False
+    ) -> Recorded:
         """Count one scored group (its accuracy, whether its samples all agreed, the newest version that sampled
-        it), and a prompt's first group in its class `klass` too. A group already counted (redelivered after a
-        restart, or read by two buffers) changes nothing and says so (counted False)."""
+        it), and a prompt's first group in its class `klass` too (`stale`: it arrived past the staleness bound, so
+        the costs count nothing of it kept). A group already counted (redelivered after a restart, or read by two
+        buffers) changes nothing and says so (counted False)."""
         correct, samples = sum(s.acc for s in group.scores), len(group.scores)
         if group.sampling is not None:  # sampled in rounds: every sample drawn, down-sampled ones too
             correct, samples = group.sampling.drawn_right, group.sampling.drawn
         args = [group.task.prompt_id, group_tag(group.group_id), correct, samples, int(zero_variance)]
-        args += [version, self.decay, RECENT_TAGS, klass or "", self.class_decay, *going_on_args(group, zero_variance)]
+        args += [version, self.decay, RECENT_TAGS, klass or "", self.class_decay]
+        args += going_on_args(group, zero_variance, stale)
         with redis_errors(self.client):
             old, new, counted, cls = self._record(keys=[KEY_PROMPT_STATE, KEY_CLASS_STATE, KEY_GOING_ON], args=args)
         before = PromptState.parse(old) if old else None

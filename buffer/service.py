@@ -366,8 +366,9 @@ class Buffer:
         self.m.received.inc()
         self.m.samples_generated.inc(g.drawn)
         self.m.pass_rate.observe(pass_rate(g))
-        self.learn(g)
-        if is_stale(g, version, self.s.max_staleness):
+        stale = is_stale(g, version, self.s.max_staleness)
+        self.learn(g, stale)
+        if stale:
             self._drop(d, "stale", version)
             return
         verdict = "keep"
@@ -385,14 +386,15 @@ class Buffer:
         self.m.version_lag.observe(version_lag(g, version))
         self.carry.append(d)
 
-    def learn(self, g: ScoredGroup) -> None:
+    def learn(self, g: ScoredGroup, stale: bool) -> None:
         """Count the group in its prompt's state (every received group, stale ones too: they tell how hard the
-        prompt is) and a prompt's first group in its class's, and the prediction the state held before it against
-        what came (once per group: a group delivered again after a restart is neither counted nor scored again)."""
+        prompt is; in the costs of going on they count as drawn, not kept) and a prompt's first group in its
+        class's, and the prediction the state held before it against what came (once per group: a group delivered
+        again after a restart is neither counted nor scored again)."""
         correct = sum(s.acc for s in g.scores)
         agreed = correct in (0, len(g.scores))
         klass = self.klass(g.task.data_source, g.task.ground_truth)
-        r = self.states.record(g, zero_variance=agreed, version=g.max_version, klass=klass)
+        r = self.states.record(g, zero_variance=agreed, version=g.max_version, klass=klass, stale=stale)
         basis, q = self.prediction(r.before, r.class_before)
         if r.counted and q is not None:
             self.m.predicted.labels(basis).inc(q)

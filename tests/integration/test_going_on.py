@@ -11,7 +11,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from buffer.curriculum import GoingOn, PromptStates
+from buffer.curriculum import COST_DECAY, GoingOn, PromptStates
 from buffer.metrics import BufferMetrics
 from buffer.service import Buffer
 from rollout.budget import decide
@@ -112,3 +112,9 @@ def test_a_group_counts_once_in_its_tasks_cost_of_going_on(client: redis.Redis) 
     (going_on,), run = states.going_on(["t"])
     assert going_on == GoingOn(1, 4, 6, 1) and run is not None and (run.drawn, run.kept) == (6, 6)
     assert states.going_on(["other"])[0] == [None]
+    late = g.model_copy(update={"task": task.model_copy(update={"task_id": "p#e1p0"})})  # outlived the bound
+    assert states.record(late, zero_variance=False, version=0, stale=True).counted  # drawn, not kept
+    (going_on,), run = states.going_on(["t"])
+    d = COST_DECAY  # the older group weighs d
+    assert going_on == GoingOn(pytest.approx(1 + d), pytest.approx(4 * d + 4), pytest.approx(6 * d), 2)
+    assert run is not None and (run.drawn, run.kept) == (pytest.approx(6 * d + 6), pytest.approx(6 * d))

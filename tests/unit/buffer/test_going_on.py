@@ -48,6 +48,7 @@ def test_only_a_group_let_go_on_after_an_agreeing_first_round_counts_as_going_on
     went_on = group([False, False, True, False, False, False, False, False],
                     GroupSampling(rounds=4, drawn=8, drawn_right=1, first_agreed=True))  # fmt: skip
     assert going_on_args(went_on, zero_variance=False)[:5] == ["reasoning_gym/t", 8, 8, 1, 6]
+    assert going_on_args(went_on, zero_variance=False, stale=True)[:5] == ["reasoning_gym/t", 8, 0, 1, 6]  # drawn
     stayed = group([False] * 8, GroupSampling(rounds=4, drawn=8, drawn_right=0, first_agreed=True))
     assert going_on_args(stayed, zero_variance=True)[:5] == ["reasoning_gym/t", 8, 0, 1, 6]  # cost 6, nothing kept
     given_up = group([True, True], GroupSampling(rounds=1, drawn=2, drawn_right=2, gave_up=True, first_agreed=True))
