@@ -29,7 +29,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -372,13 +372,7 @@ def evaluate(
     ] = None,
     k: Annotated[int, typer.Option(min=1, help="Samples per prompt: avg@k and pass@k.")] = 4,
     size: Annotated[int, typer.Option(min=1, help="Held-out prompts evaluated.")] = 200,
-    task: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Only the held-out prompts of this data source, of the first --size (repeatable), e.g. "
-            "reasoning_gym/basic_arithmetic."
-        ),
-    ] = None,
+    task: Annotated[list[str] | None, typer.Option(help="Only the prompts of this data source (repeatable).")] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed: the same seed gives the same samples.")] = 1234,
     temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="1.0: the training policy; DAPO's paper: 0.7.")] = 1.0,
@@ -418,25 +412,15 @@ def evaluate(
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from rollout.engines import SamplingParams, load_engine
     from rollout.evaluate import evaluate as run_eval
-    from rollout.evaluate import load_eval_items
     from services.dtype import resolve_dtype
     from services.model_prep import prepare_smollm2
 
     if engine not in ("vllm", "hf") or template not in ("dapo", "short", "none") or dtype not in DTYPES:
         raise typer.BadParameter("--engine is vllm or hf; --template is dapo, short or none; --dtype auto, bf16, fp32")
     config = json.loads(dataset_config) if dataset_config else None  # None: the buffer's default
-    try:
-        items = load_eval_items(
-            data,
-            size=size,
-            seed=dataset_seed,
-            dataset_size=dataset_size,
-            config=config,
-            template=cast(Any, template),
-            tasks=task or (),
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+    items = _held_out(
+        data, size, task or [], seed=dataset_seed, dataset_size=dataset_size, config=config, template=template
+    )
     model_dir = model or prepare_smollm2(RunLayout(RUN_DIR).smollm2)
     _not_an_adapter(model_dir)
     with contextlib.ExitStack() as stack:
@@ -456,6 +440,17 @@ def evaluate(
         print(report.to_json())
         return
     console.print(_report_table(report, f"{model_dir.name}: {len(items)} held-out prompts × {k} samples", k))
+
+
+def _held_out(data: str, size: int, tasks: list[str], **spec: Any) -> list[Any]:
+    """`eval`'s items: the first `size` of the held-out split (a spec's, drawn as the buffer draws it, or a file's),
+    those of `tasks` if any are named; a task they lack is a bad --task, said with the ones there are."""
+    from rollout.evaluate import load_eval_items
+
+    try:
+        return load_eval_items(data, size=size, tasks=tasks, **spec)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 def _reward_client(stack: contextlib.ExitStack, url: str | None, token: str | None, code: bool = False) -> Any:
