@@ -142,7 +142,7 @@ def test_the_router_serves_three_replicas_and_loses_only_a_killed_ones_sessions(
     assert code == 0, out[-4000:]
     assert len(agents.ended) >= SESSIONS, (len(agents.ended), agents.lost, agents.errors[-5:])
     # the killed replica's sessions, and only those, were lost, each with a clear error
-    assert agents.lost and all(tag_of(sid) == killed_tag for sid, _ in agents.lost), agents.lost
+    assert agents.lost and all(tag_of(sid) == killed_tag for sid, _ in agents.lost), (agents.lost, agents.errors[-8:])
     assert all("is lost with its replica" in e or "is over" in e for _, e in agents.lost + agents.lost_at_stop), (
         agents.lost + agents.lost_at_stop
     )
