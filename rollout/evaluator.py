@@ -88,12 +88,12 @@ class Evaluator:
             except FileNotFoundError as e:  # no eval.jsonl yet: the buffer writes it when it starts
                 self.postpone(version, e)
                 return None
-            except ValueError as e:  # an eval_tasks task the split does not hold: said once, evaluation off
-                log.error("held-out evaluation off: %s", e)
-                self.next_eval = sys.maxsize
-                return None
-            if not items:
-                log.error("no held-out items in %s: the held-out evaluation is off", self.s.eval_data)
+            except ValueError as e:  # a task the split lacks (eval_tasks), or a line that is not an item
+                items, why = [], str(e)
+            else:
+                why = f"no held-out items in {self.s.eval_data}"
+            if not items:  # said once: training goes on without evaluations
+                log.error("held-out evaluation off: %s", why)
                 self.next_eval = sys.maxsize
                 return None
             self.items = items
